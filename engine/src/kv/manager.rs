@@ -1,0 +1,572 @@
+//! [`KvCacheManager`]: the block manager the scheduler calls.
+//!
+//! A sequence's life: [`KvCacheManager::hash_prompt`] once at admission, then
+//! [`start_sequence`](KvCacheManager::start_sequence) (touches the longest cached prefix),
+//! [`append_slots`](KvCacheManager::append_slots) for every prefill chunk and decode token,
+//! optionally [`fork`](KvCacheManager::fork), [`swap_out`](KvCacheManager::swap_out) /
+//! [`swap_in`](KvCacheManager::swap_in), and finally [`free`](KvCacheManager::free).
+//!
+//! Blocks are registered in the prefix index the moment their last slot is allocated: the forward
+//! pass writes every new K/V row of a step (per layer, before attention), so a request that hits
+//! such a block in the same step reads it after it is written.
+//!
+//! Every operation that can fail checks first and then acts: an error leaves no trace.
+//! Costs: `start_sequence` O(hit blocks); `append_slots` O(new tokens), plus one hash per block
+//! that fills with tokens not hashed at admission; `free` O(blocks).
+
+use super::block_pool::BlockPool;
+use super::event_log::EventLog;
+use super::host_pool::HostPool;
+use super::prefix_index::PrefixIndex;
+use super::{BlockId, BlockTable, HostBlockId, ScopeId, SeqId};
+use kvgate_protocol::{BlockHash, BlockHasher, KvEvent, KvEventRecord};
+use std::collections::HashMap;
+
+/// Sizes of the pools and the hash recipe.
+#[derive(Debug, Clone)]
+pub struct KvConfig {
+    /// Device blocks.
+    pub num_blocks: u32,
+    /// Host blocks for swapped-out sequences (0: swap disabled).
+    pub num_host_blocks: u32,
+    /// The deployment's block hasher; its block size is the pool's.
+    pub hasher: BlockHasher,
+}
+
+/// Why a KV operation was refused. Nothing was changed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    #[error("unknown sequence {0:?}")]
+    UnknownSequence(SeqId),
+    #[error("sequence {0:?} already exists")]
+    DuplicateSequence(SeqId),
+    #[error("out of KV blocks: {needed} needed, {free} free")]
+    OutOfBlocks { needed: usize, free: usize },
+    #[error("out of host swap blocks: {needed} needed, {free} free")]
+    OutOfHostBlocks { needed: usize, free: usize },
+    #[error("scope {scope:?} is over its KV block quota: {used} used + {needed} needed > {quota}")]
+    QuotaExceeded {
+        scope: String,
+        used: u32,
+        needed: usize,
+        quota: u32,
+    },
+    #[error("sequence {0:?} is swapped out")]
+    SwappedOut(SeqId),
+    #[error("sequence {0:?} is not swapped out")]
+    NotSwappedOut(SeqId),
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+}
+
+impl KvError {
+    /// A stable machine-readable code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            KvError::UnknownSequence(_) => "unknown_sequence",
+            KvError::DuplicateSequence(_) => "duplicate_sequence",
+            KvError::OutOfBlocks { .. } => "out_of_blocks",
+            KvError::OutOfHostBlocks { .. } => "out_of_host_blocks",
+            KvError::QuotaExceeded { .. } => "kv_quota_exceeded",
+            KvError::SwappedOut(_) => "swapped_out",
+            KvError::NotSwappedOut(_) => "not_swapped_out",
+            KvError::EmptyPrompt => "empty_prompt",
+        }
+    }
+}
+
+/// A prompt's block hashes in its scope, computed once at admission by
+/// [`KvCacheManager::hash_prompt`] (the only constructor, so the hashes always match the tokens).
+#[derive(Debug, Clone)]
+pub struct HashedPrompt {
+    scope: ScopeId,
+    hashes: Vec<BlockHash>,
+    num_tokens: usize,
+}
+
+impl HashedPrompt {
+    pub fn scope(&self) -> ScopeId {
+        self.scope
+    }
+
+    /// Hashes of the prompt's full blocks.
+    pub fn hashes(&self) -> &[BlockHash] {
+        &self.hashes
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+}
+
+/// Result of [`KvCacheManager::allocate_prompt`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptAllocation {
+    /// Leading prompt tokens whose KV is already cached (a multiple of the block size).
+    pub cached_tokens: usize,
+}
+
+/// Result of [`KvCacheManager::append_slots`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AppendOutcome {
+    /// Logical position of the first appended token (its slot is `table.slot(pos)`).
+    pub first_pos: usize,
+    /// A copy-on-write the kernels must do before this step writes: `(src, dst)`.
+    pub cow: Option<(BlockId, BlockId)>,
+}
+
+/// Block copies to carry out for a swap, before the next forward pass.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SwapPlan {
+    /// Device -> host copies (swap out).
+    pub to_host: Vec<(BlockId, HostBlockId)>,
+    /// Host -> device copies (swap in).
+    pub to_device: Vec<(HostBlockId, BlockId)>,
+}
+
+/// Occupancy of the pools, for metrics and the scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvUsage {
+    pub capacity: usize,
+    /// Blocks held by at least one sequence.
+    pub used: usize,
+    /// Free blocks that still hold a cached prefix.
+    pub cached: usize,
+    /// Free blocks holding nothing.
+    pub free: usize,
+    /// Token slots written in used blocks.
+    pub filled_slots: usize,
+    pub host_capacity: usize,
+    pub host_used: usize,
+}
+
+/// Cumulative counters, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvCounters {
+    pub queried_tokens: u64,
+    pub hit_tokens: u64,
+    pub evicted_blocks: u64,
+    pub cow_copies: u64,
+    pub swapped_out_blocks: u64,
+    pub swapped_in_blocks: u64,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct SeqState {
+    pub(super) scope: ScopeId,
+    /// Device blocks; empty while swapped out.
+    pub(super) table: BlockTable,
+    /// Host blocks while swapped out.
+    pub(super) host: Option<Vec<HostBlockId>>,
+    /// Known hashes of the sequence's full blocks, in order. Prompt hashes are known at admission,
+    /// ahead of the blocks being filled.
+    pub(super) hashes: Vec<BlockHash>,
+    /// Tokens of the block being filled (cleared when it fills).
+    pub(super) partial: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct HostMeta {
+    pub(super) hash: Option<BlockHash>,
+    pub(super) filled: u32,
+}
+
+/// The paged KV cache's block manager. See the module docs.
+#[derive(Debug, Clone)]
+pub struct KvCacheManager {
+    pub(super) hasher: BlockHasher,
+    pub(super) block_size: usize,
+    pub(super) pool: BlockPool,
+    pub(super) host: HostPool,
+    pub(super) host_meta: Vec<HostMeta>,
+    pub(super) index: PrefixIndex,
+    pub(super) seqs: HashMap<SeqId, SeqState>,
+    pub(super) scopes: Vec<String>,
+    pub(super) scope_ids: HashMap<String, ScopeId>,
+    pub(super) quotas: Vec<Option<u32>>,
+    pub(super) events: EventLog,
+    pub(super) counters: KvCounters,
+}
+
+impl KvCacheManager {
+    pub fn new(config: KvConfig) -> Self {
+        KvCacheManager {
+            block_size: config.hasher.block_size(),
+            hasher: config.hasher,
+            pool: BlockPool::new(config.num_blocks),
+            host: HostPool::new(config.num_host_blocks),
+            host_meta: vec![HostMeta::default(); config.num_host_blocks as usize],
+            index: PrefixIndex::new(),
+            seqs: HashMap::new(),
+            scopes: Vec::new(),
+            scope_ids: HashMap::new(),
+            quotas: Vec::new(),
+            events: EventLog::default(),
+            counters: KvCounters::default(),
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The id of scope `name`, interned on first use.
+    pub fn scope(&mut self, name: &str) -> ScopeId {
+        if let Some(id) = self.scope_ids.get(name) {
+            return *id;
+        }
+        let id = ScopeId(self.scopes.len() as u32);
+        self.scopes.push(name.to_owned());
+        self.quotas.push(None);
+        self.scope_ids.insert(name.to_owned(), id);
+        id
+    }
+
+    pub fn scope_name(&self, scope: ScopeId) -> &str {
+        &self.scopes[scope.0 as usize]
+    }
+
+    /// Caps the blocks `scope`'s sequences may hold at once (`None`: no cap).
+    pub fn set_quota(&mut self, scope: ScopeId, quota: Option<u32>) {
+        self.quotas[scope.0 as usize] = quota;
+    }
+
+    /// Blocks held by `scope`'s sequences.
+    pub fn scope_usage(&self, scope: ScopeId) -> u32 {
+        self.pool.used_by_scope(scope)
+    }
+
+    /// Hashes a prompt's full blocks in `scope` (done once per request).
+    pub fn hash_prompt(&self, scope: ScopeId, tokens: &[u32]) -> HashedPrompt {
+        HashedPrompt {
+            scope,
+            hashes: self.hasher.hash_prefix(self.scope_name(scope), tokens),
+            num_tokens: tokens.len(),
+        }
+    }
+
+    /// Cached blocks `prompt` would hit now: at most all but the block holding its last token,
+    /// which is always computed (its logits are needed).
+    pub fn cached_prefix(&self, prompt: &HashedPrompt) -> Vec<BlockId> {
+        let cap = prompt.num_tokens.saturating_sub(1) / self.block_size;
+        self.index
+            .longest_prefix(&prompt.hashes[..cap.min(prompt.hashes.len())])
+    }
+
+    /// New blocks (allocated or revived from the cache) that admitting `prompt` whole needs now.
+    pub fn blocks_needed_for_prompt(&self, prompt: &HashedPrompt) -> usize {
+        let hits = self.cached_prefix(prompt);
+        let revived = hits
+            .iter()
+            .filter(|b| self.pool.meta(**b).ref_count == 0)
+            .count();
+        prompt.num_tokens.div_ceil(self.block_size) - hits.len() + revived
+    }
+
+    /// Starts `seq` with the longest cached prefix of `prompt`: those blocks are touched (ref+1)
+    /// and their tokens need no computation. Returns the cached token count.
+    pub fn start_sequence(&mut self, seq: SeqId, prompt: &HashedPrompt) -> Result<usize, KvError> {
+        if prompt.num_tokens == 0 {
+            return Err(KvError::EmptyPrompt);
+        }
+        if self.seqs.contains_key(&seq) {
+            return Err(KvError::DuplicateSequence(seq));
+        }
+        let hits = self.cached_prefix(prompt);
+        let revived = hits
+            .iter()
+            .filter(|b| self.pool.meta(**b).ref_count == 0)
+            .count();
+        self.check_quota(prompt.scope, revived)?;
+        let mut table = BlockTable::new();
+        for &b in &hits {
+            self.pool.touch(b);
+            table.push(b);
+        }
+        let cached = hits.len() * self.block_size;
+        table.set_num_tokens(cached);
+        self.counters.queried_tokens += prompt.num_tokens as u64;
+        self.counters.hit_tokens += cached as u64;
+        self.seqs.insert(
+            seq,
+            SeqState {
+                scope: prompt.scope,
+                table,
+                host: None,
+                hashes: prompt.hashes.clone(),
+                partial: Vec::with_capacity(self.block_size),
+            },
+        );
+        Ok(cached)
+    }
+
+    /// Starts `seq` and allocates slots for the whole uncached rest of the prompt, atomically.
+    pub fn allocate_prompt(
+        &mut self,
+        seq: SeqId,
+        prompt: &HashedPrompt,
+        tokens: &[u32],
+    ) -> Result<PromptAllocation, KvError> {
+        debug_assert_eq!(tokens.len(), prompt.num_tokens);
+        let needed = self.blocks_needed_for_prompt(prompt);
+        if needed > self.pool.num_free() {
+            return Err(KvError::OutOfBlocks {
+                needed,
+                free: self.pool.num_free(),
+            });
+        }
+        self.check_quota(prompt.scope, needed)?;
+        let cached_tokens = self.start_sequence(seq, prompt)?;
+        self.append_slots(seq, &tokens[cached_tokens..])?;
+        Ok(PromptAllocation { cached_tokens })
+    }
+
+    /// Blocks that appending `n` tokens to `seq` would allocate (copy-on-write included).
+    pub fn blocks_needed_to_append(&self, seq: SeqId, n: usize) -> Result<usize, KvError> {
+        let state = self.seqs.get(&seq).ok_or(KvError::UnknownSequence(seq))?;
+        Ok(self.append_need(state, n).0)
+    }
+
+    /// (blocks to allocate, copy-on-write needed) for appending `n` tokens.
+    fn append_need(&self, state: &SeqState, n: usize) -> (usize, bool) {
+        let b = self.block_size;
+        let filled = state.table.last_block_filled(b);
+        let room = if state.table.blocks().is_empty() || filled == b {
+            0
+        } else {
+            b - filled
+        };
+        let cow = n > 0
+            && room > 0
+            && state
+                .table
+                .blocks()
+                .last()
+                .is_some_and(|l| self.pool.meta(*l).ref_count > 1);
+        let fresh = n.saturating_sub(room).div_ceil(b);
+        (fresh + usize::from(cow), cow)
+    }
+
+    /// Allocates slots for `tokens`, whose K/V the next forward pass writes. Blocks that fill are
+    /// registered in the prefix index at once. A write into a shared partial block copies it first.
+    pub fn append_slots(&mut self, seq: SeqId, tokens: &[u32]) -> Result<AppendOutcome, KvError> {
+        let state = self.seqs.get(&seq).ok_or(KvError::UnknownSequence(seq))?;
+        if state.host.is_some() {
+            return Err(KvError::SwappedOut(seq));
+        }
+        let (needed, cow) = self.append_need(state, tokens.len());
+        if needed > self.pool.num_free() {
+            return Err(KvError::OutOfBlocks {
+                needed,
+                free: self.pool.num_free(),
+            });
+        }
+        let scope = state.scope;
+        self.check_quota(scope, needed)?;
+        let mut state = self.seqs.remove(&seq).ok_or(KvError::UnknownSequence(seq))?;
+        let cow = if cow { Some(self.copy_on_write(&mut state)) } else { None };
+        let first_pos = state.table.num_tokens();
+        let b = self.block_size;
+        let mut rest = tokens;
+        while !rest.is_empty() {
+            let pos = state.table.num_tokens();
+            if pos % b == 0 {
+                let id = self.allocate_block(scope);
+                state.table.push(id);
+            }
+            let take = rest.len().min(b - pos % b);
+            let (now, later) = rest.split_at(take);
+            rest = later;
+            state.partial.extend_from_slice(now);
+            let filled = pos % b + take;
+            state.table.set_num_tokens(pos + take);
+            let logical = pos / b;
+            let id = state.table.blocks()[logical];
+            self.pool.set_filled(id, filled as u32);
+            if filled == b {
+                self.register_full_block(&mut state, logical, id);
+            }
+        }
+        self.seqs.insert(seq, state);
+        Ok(AppendOutcome { first_pos, cow })
+    }
+
+    fn copy_on_write(&mut self, state: &mut SeqState) -> (BlockId, BlockId) {
+        let logical = state.table.blocks().len() - 1;
+        let src = state.table.blocks()[logical];
+        let dst = self.allocate_block(state.scope);
+        let filled = self.pool.meta(src).filled;
+        self.pool.set_filled(dst, filled);
+        self.pool.release(src);
+        state.table.set(logical, dst);
+        self.counters.cow_copies += 1;
+        (src, dst)
+    }
+
+    /// Takes a free block, evicting the cached prefix it held, if any. The caller checked that a
+    /// free block exists.
+    pub(super) fn allocate_block(&mut self, scope: ScopeId) -> BlockId {
+        let Some((id, evicted)) = self.pool.allocate(scope) else {
+            unreachable!("free blocks were counted before allocating");
+        };
+        if let Some(hash) = evicted {
+            if self.index.remove(hash, id) {
+                self.events.removed(hash);
+            }
+            self.counters.evicted_blocks += 1;
+        }
+        id
+    }
+
+    fn register_full_block(&mut self, state: &mut SeqState, logical: usize, id: BlockId) {
+        let parent = logical.checked_sub(1).map(|p| state.hashes[p]);
+        let hash = if logical < state.hashes.len() {
+            debug_assert_eq!(
+                state.hashes[logical],
+                self.hasher
+                    .hash_block(parent, &self.scopes[state.scope.0 as usize], &state.partial),
+                "tokens appended to a prompt differ from the prompt hashed at admission"
+            );
+            state.hashes[logical]
+        } else {
+            let scope = &self.scopes[state.scope.0 as usize];
+            let h = self.hasher.hash_block(parent, scope, &state.partial);
+            state.hashes.push(h);
+            h
+        };
+        state.partial.clear();
+        if self.index.insert(hash, id) {
+            self.pool.set_hash(id, hash);
+            let scope = &self.scopes[state.scope.0 as usize];
+            self.events.stored(hash, parent, scope);
+        }
+    }
+
+    fn check_quota(&self, scope: ScopeId, needed: usize) -> Result<(), KvError> {
+        let Some(quota) = self.quotas[scope.0 as usize] else {
+            return Ok(());
+        };
+        let used = self.pool.used_by_scope(scope);
+        if used as usize + needed > quota as usize {
+            return Err(KvError::QuotaExceeded {
+                scope: self.scope_name(scope).to_owned(),
+                used,
+                needed,
+                quota,
+            });
+        }
+        Ok(())
+    }
+
+    /// `child` shares every block of `parent` (ref+1 each); the first write into the shared
+    /// partial last block copies it.
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<(), KvError> {
+        if self.seqs.contains_key(&child) {
+            return Err(KvError::DuplicateSequence(child));
+        }
+        let state = self
+            .seqs
+            .get(&parent)
+            .ok_or(KvError::UnknownSequence(parent))?;
+        if state.host.is_some() {
+            return Err(KvError::SwappedOut(parent));
+        }
+        let state = state.clone();
+        for &b in state.table.blocks() {
+            self.pool.touch(b);
+        }
+        self.seqs.insert(child, state);
+        Ok(())
+    }
+
+    /// Ends `seq` and releases its blocks, last block first, so its tail is evicted before its
+    /// prefix. Full blocks stay cached until reused.
+    pub fn free(&mut self, seq: SeqId) -> Result<(), KvError> {
+        let state = self.seqs.remove(&seq).ok_or(KvError::UnknownSequence(seq))?;
+        for &b in state.table.blocks().iter().rev() {
+            self.pool.release(b);
+        }
+        if let Some(host) = state.host {
+            for &h in host.iter().rev() {
+                self.host.release(h);
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops cached prefixes: every one, or those of one scope. Blocks in use stay with their
+    /// sequences but can no longer be hit. Returns the number of hashes dropped.
+    pub fn flush(&mut self, scope: Option<ScopeId>) -> usize {
+        let victims: Vec<(BlockHash, BlockId)> = self
+            .index
+            .iter()
+            .filter(|(_, b)| scope.is_none_or(|s| self.pool.meta(*b).scope == s))
+            .collect();
+        for &(hash, id) in &victims {
+            self.index.remove(hash, id);
+            self.pool.clear_hash(id);
+        }
+        match scope {
+            None => self.events.push(KvEvent::AllCleared),
+            Some(_) if !victims.is_empty() => self.events.push(KvEvent::BlockRemoved {
+                hashes: victims.iter().map(|(h, _)| *h).collect(),
+            }),
+            Some(_) => {}
+        }
+        victims.len()
+    }
+
+    pub fn usage(&self) -> KvUsage {
+        let free = self.pool.num_free();
+        KvUsage {
+            capacity: self.pool.num_blocks(),
+            used: self.pool.num_blocks() - free,
+            cached: self.pool.num_cached_free(),
+            free: free - self.pool.num_cached_free(),
+            filled_slots: self.pool.filled_in_use(),
+            host_capacity: self.host.num_blocks(),
+            host_used: self.host.num_blocks() - self.host.num_free(),
+        }
+    }
+
+    pub fn counters(&self) -> KvCounters {
+        self.counters
+    }
+
+    /// Takes the KV events produced since the last call.
+    pub fn drain_events(&mut self) -> Vec<KvEventRecord> {
+        self.events.drain()
+    }
+
+    /// Every cached hash with its scope, and the sequence number of the last event it reflects: a
+    /// consumer re-syncs by replacing its index with this, then applying events after `seq`.
+    /// Call it after draining pending events.
+    pub fn snapshot(&self) -> (u64, Vec<(String, BlockHash)>) {
+        let blocks = self
+            .index
+            .iter()
+            .map(|(h, b)| (self.scope_name(self.pool.meta(b).scope).to_owned(), h))
+            .collect();
+        (self.events.last_seq(), blocks)
+    }
+
+    pub fn block_table(&self, seq: SeqId) -> Option<&BlockTable> {
+        self.seqs.get(&seq).map(|s| &s.table)
+    }
+
+    pub fn is_swapped_out(&self, seq: SeqId) -> bool {
+        self.seqs.get(&seq).is_some_and(|s| s.host.is_some())
+    }
+
+    pub fn num_sequences(&self) -> usize {
+        self.seqs.len()
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+}

@@ -1,0 +1,3 @@
+//! Llama-family models: config, weights (safetensors, GGUF import), forward pass.
+
+pub mod gguf;

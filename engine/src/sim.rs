@@ -1,0 +1,1 @@
+//! KV memory simulator (filled in below).

@@ -1,0 +1,14 @@
+//! Wire types shared by the kvgate gateway and engine.
+//!
+//! - [`hash`]: the block-hash recipe. The gateway and every engine must turn the same tokens into
+//!   the same 128-bit keys, so the recipe lives here and nowhere else.
+//! - [`events`]: the KV events an engine publishes (`/kv/events`) so the gateway's prefix index
+//!   mirrors the engine's cache.
+//!
+//! No IO and no async: this crate is cheap to depend on.
+
+pub mod events;
+pub mod hash;
+
+pub use events::{KvEvent, KvEventRecord};
+pub use hash::{BlockHash, BlockHasher, HashParams};
