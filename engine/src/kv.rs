@@ -57,3 +57,22 @@ macro_rules! id_debug {
     )*};
 }
 id_debug!(BlockId => "b", HostBlockId => "h", SeqId => "seq");
+
+#[cfg(test)]
+mod tests;
+
+/// A manager over a test deployment's hash recipe (model `test`, seed of zeros).
+pub fn test_manager(num_blocks: u32, num_host_blocks: u32, block_size: u32) -> KvCacheManager {
+    let params = kvgate_protocol::HashParams {
+        model_id: "test".into(),
+        weight_version: "0".into(),
+        kv_dtype: "f32".into(),
+        block_size,
+        seed: [0; 32],
+    };
+    KvCacheManager::new(KvConfig {
+        num_blocks,
+        num_host_blocks,
+        hasher: kvgate_protocol::BlockHasher::new(&params),
+    })
+}

@@ -24,12 +24,9 @@ impl EventLog {
     pub(crate) fn stored(&mut self, hash: BlockHash, parent: Option<BlockHash>, scope: &str) {
         // Consecutive blocks of one sequence become one event.
         if let Some(KvEventRecord {
-            event:
-                KvEvent::BlockStored {
-                    hashes,
-                    scope: s,
-                    ..
-                },
+            event: KvEvent::BlockStored {
+                hashes, scope: s, ..
+            },
             ..
         }) = self.pending.last_mut()
         {

@@ -363,8 +363,15 @@ impl KvCacheManager {
         }
         let scope = state.scope;
         self.check_quota(scope, needed)?;
-        let mut state = self.seqs.remove(&seq).ok_or(KvError::UnknownSequence(seq))?;
-        let cow = if cow { Some(self.copy_on_write(&mut state)) } else { None };
+        let mut state = self
+            .seqs
+            .remove(&seq)
+            .ok_or(KvError::UnknownSequence(seq))?;
+        let cow = if cow {
+            Some(self.copy_on_write(&mut state))
+        } else {
+            None
+        };
         let first_pos = state.table.num_tokens();
         let b = self.block_size;
         let mut rest = tokens;
@@ -423,8 +430,11 @@ impl KvCacheManager {
         let hash = if logical < state.hashes.len() {
             debug_assert_eq!(
                 state.hashes[logical],
-                self.hasher
-                    .hash_block(parent, &self.scopes[state.scope.0 as usize], &state.partial),
+                self.hasher.hash_block(
+                    parent,
+                    &self.scopes[state.scope.0 as usize],
+                    &state.partial
+                ),
                 "tokens appended to a prompt differ from the prompt hashed at admission"
             );
             state.hashes[logical]
@@ -482,7 +492,10 @@ impl KvCacheManager {
     /// Ends `seq` and releases its blocks, last block first, so its tail is evicted before its
     /// prefix. Full blocks stay cached until reused.
     pub fn free(&mut self, seq: SeqId) -> Result<(), KvError> {
-        let state = self.seqs.remove(&seq).ok_or(KvError::UnknownSequence(seq))?;
+        let state = self
+            .seqs
+            .remove(&seq)
+            .ok_or(KvError::UnknownSequence(seq))?;
         for &b in state.table.blocks().iter().rev() {
             self.pool.release(b);
         }

@@ -1,0 +1,239 @@
+//! Behaviour tests of the block manager, one per rule in the module docs.
+
+use super::*;
+use kvgate_protocol::KvEvent;
+
+fn toks(range: std::ops::Range<u32>) -> Vec<u32> {
+    range.collect()
+}
+
+fn start(m: &mut KvCacheManager, seq: u64, scope: &str, tokens: &[u32]) -> usize {
+    let scope = m.scope(scope);
+    let p = m.hash_prompt(scope, tokens);
+    m.allocate_prompt(SeqId(seq), &p, tokens)
+        .unwrap()
+        .cached_tokens
+}
+
+#[test]
+fn prompt_allocation_hits_the_cached_prefix_but_computes_the_last_token() {
+    let mut m = test_manager(16, 0, 4);
+    let prompt = toks(0..10);
+    assert_eq!(start(&mut m, 1, "a", &prompt), 0);
+    assert_eq!(m.block_table(SeqId(1)).unwrap().blocks().len(), 3);
+    // Same prompt again: two full blocks hit, the partial third is computed.
+    assert_eq!(start(&mut m, 2, "a", &prompt), 8);
+    let (t1, t2) = (
+        m.block_table(SeqId(1)).unwrap(),
+        m.block_table(SeqId(2)).unwrap(),
+    );
+    assert_eq!(t1.blocks()[..2], t2.blocks()[..2]);
+    assert_ne!(t1.blocks()[2], t2.blocks()[2]);
+    assert_eq!(m.pool().meta(t1.blocks()[0]).ref_count, 2);
+    // A prompt of exactly two blocks hits only one: its last token must be computed.
+    assert_eq!(start(&mut m, 3, "a", &toks(0..8)), 4);
+    m.check_invariants().unwrap();
+    let c = m.counters();
+    assert_eq!((c.queried_tokens, c.hit_tokens), (28, 12));
+}
+
+#[test]
+fn scopes_never_share_blocks() {
+    let mut m = test_manager(16, 0, 4);
+    let prompt = toks(0..9);
+    start(&mut m, 1, "tenant-a", &prompt);
+    assert_eq!(start(&mut m, 2, "tenant-b", &prompt), 0);
+    assert_eq!(start(&mut m, 3, "tenant-a", &prompt), 8);
+}
+
+#[test]
+fn freed_blocks_stay_cached_until_reused_and_tails_go_first() {
+    let mut m = test_manager(4, 0, 4);
+    start(&mut m, 1, "a", &toks(0..12));
+    let blocks = m.block_table(SeqId(1)).unwrap().blocks().to_vec();
+    m.free(SeqId(1)).unwrap();
+    assert_eq!(m.usage().cached, 3);
+    // Tail-first: the last logical block is next in line for eviction (after the never-used one).
+    let order: Vec<_> = m.pool().free_list().collect();
+    assert_eq!(&order[1..], &[blocks[2], blocks[1], blocks[0]]);
+    // A new unrelated sequence of 2 blocks takes the empty block, then evicts the tail.
+    start(&mut m, 2, "a", &toks(100..108));
+    assert_eq!(m.counters().evicted_blocks, 1);
+    assert_eq!(
+        m.index()
+            .get(m.hash_prompt(ScopeId(0), &toks(0..12)).hashes()[2]),
+        None
+    );
+    // The surviving prefix still hits.
+    m.free(SeqId(2)).unwrap();
+    assert_eq!(start(&mut m, 3, "a", &toks(0..9)), 8);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn blocks_filled_by_decode_are_registered_at_once() {
+    let mut m = test_manager(8, 0, 4);
+    start(&mut m, 1, "a", &toks(0..3));
+    assert!(m.index().is_empty());
+    m.append_slots(SeqId(1), &[3]).unwrap();
+    assert_eq!(m.index().len(), 1);
+    m.append_slots(SeqId(1), &[4, 5, 6, 7]).unwrap();
+    assert_eq!(m.index().len(), 2);
+    // A later turn of the conversation hits the generated tokens too.
+    assert_eq!(start(&mut m, 2, "a", &toks(0..11)), 8);
+    // The two blocks of one chain are published as one event.
+    let events = m.drain_events();
+    assert_eq!(events.len(), 1);
+    let KvEvent::BlockStored { hashes, parent, .. } = &events[0].event else {
+        panic!("expected BlockStored, got {events:?}");
+    };
+    assert_eq!(parent, &None);
+    assert_eq!(hashes, m.hash_prompt(ScopeId(0), &toks(0..8)).hashes());
+}
+
+#[test]
+fn fork_shares_blocks_and_copies_the_partial_block_on_write() {
+    let mut m = test_manager(8, 0, 4);
+    start(&mut m, 1, "a", &toks(0..6));
+    m.fork(SeqId(1), SeqId(2)).unwrap();
+    let shared = m.block_table(SeqId(1)).unwrap().blocks().to_vec();
+    assert!(shared.iter().all(|b| m.pool().meta(*b).ref_count == 2));
+    let out = m.append_slots(SeqId(2), &[60]).unwrap();
+    let (src, dst) = out
+        .cow
+        .expect("write into a shared partial block copies it");
+    assert_eq!(src, shared[1]);
+    assert_eq!(m.block_table(SeqId(2)).unwrap().blocks(), &[shared[0], dst]);
+    assert_eq!(m.pool().meta(src).ref_count, 1);
+    assert_eq!(m.pool().meta(dst).filled, 3);
+    // The original owns the old block alone now: no copy.
+    assert_eq!(m.append_slots(SeqId(1), &[6]).unwrap().cow, None);
+    assert_eq!(m.counters().cow_copies, 1);
+    m.check_invariants().unwrap();
+    m.free(SeqId(1)).unwrap();
+    m.free(SeqId(2)).unwrap();
+    assert_eq!(m.usage().used, 0);
+}
+
+#[test]
+fn failed_operations_change_nothing() {
+    let mut m = test_manager(3, 1, 4);
+    start(&mut m, 1, "a", &toks(0..8));
+    let before = m.usage();
+    assert_eq!(
+        m.append_slots(SeqId(1), &toks(0..9)),
+        Err(KvError::OutOfBlocks { needed: 3, free: 1 })
+    );
+    let scope = m.scope("a");
+    let p = m.hash_prompt(scope, &toks(50..62));
+    assert!(matches!(
+        m.allocate_prompt(SeqId(2), &p, &toks(50..62)),
+        Err(KvError::OutOfBlocks { .. })
+    ));
+    assert_eq!(
+        m.swap_out(&[SeqId(1)]).unwrap_err().code(),
+        "out_of_host_blocks"
+    );
+    assert_eq!(m.usage(), before);
+    assert_eq!(m.num_sequences(), 1);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn quotas_cap_a_scope_and_leave_others_alone() {
+    let mut m = test_manager(16, 0, 4);
+    let a = m.scope("a");
+    m.set_quota(a, Some(2));
+    start(&mut m, 1, "a", &toks(0..8));
+    let err = m.append_slots(SeqId(1), &[1]).unwrap_err();
+    assert_eq!(err.code(), "kv_quota_exceeded");
+    assert_eq!(start(&mut m, 2, "b", &toks(0..12)), 0);
+    assert_eq!(m.scope_usage(a), 2);
+    m.free(SeqId(1)).unwrap();
+    assert_eq!(m.scope_usage(a), 0);
+}
+
+#[test]
+fn swap_out_and_in_round_trips_and_reuses_cached_blocks() {
+    let mut m = test_manager(8, 8, 4);
+    start(&mut m, 1, "a", &toks(0..10));
+    m.fork(SeqId(1), SeqId(2)).unwrap();
+    let plan = m.swap_out(&[SeqId(1), SeqId(2)]).unwrap();
+    assert_eq!(plan.to_host.len(), 3, "shared blocks get one host copy");
+    assert!(m.is_swapped_out(SeqId(1)));
+    assert_eq!(m.usage().used, 0);
+    assert_eq!(
+        m.append_slots(SeqId(1), &[1]).unwrap_err().code(),
+        "swapped_out"
+    );
+    m.check_invariants().unwrap();
+    // The two full blocks are still cached on the device: only the partial one is copied back.
+    let plan = m.swap_in(&[SeqId(1), SeqId(2)]).unwrap();
+    assert_eq!(plan.to_device.len(), 1);
+    assert_eq!(m.usage().host_used, 0);
+    let t1 = m.block_table(SeqId(1)).unwrap();
+    assert_eq!(t1.num_tokens(), 10);
+    assert_eq!(t1.blocks(), m.block_table(SeqId(2)).unwrap().blocks());
+    m.check_invariants().unwrap();
+    assert_eq!(m.counters().swapped_out_blocks, 3);
+    assert_eq!(m.counters().swapped_in_blocks, 1);
+}
+
+#[test]
+fn flush_drops_cached_prefixes_of_one_scope_or_all() {
+    let mut m = test_manager(16, 0, 4);
+    start(&mut m, 1, "a", &toks(0..9));
+    start(&mut m, 2, "b", &toks(0..9));
+    m.free(SeqId(1)).unwrap();
+    m.drain_events();
+    let a = m.scope("a");
+    assert_eq!(m.flush(Some(a)), 2);
+    assert_eq!(start(&mut m, 3, "a", &toks(0..9)), 0);
+    assert_eq!(start(&mut m, 4, "b", &toks(0..9)), 8);
+    assert!(matches!(
+        m.drain_events()[0].event,
+        KvEvent::BlockRemoved { ref hashes } if hashes.len() == 2
+    ));
+    m.flush(None);
+    assert!(m.index().is_empty());
+    assert_eq!(m.drain_events().last().unwrap().event, KvEvent::AllCleared);
+    assert_eq!(start(&mut m, 5, "b", &toks(0..9)), 0);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn usage_counts_used_cached_free_and_filled_slots() {
+    let mut m = test_manager(10, 0, 4);
+    start(&mut m, 1, "a", &toks(0..6));
+    start(&mut m, 2, "a", &toks(100..104));
+    m.free(SeqId(2)).unwrap();
+    let u = m.usage();
+    assert_eq!((u.capacity, u.used, u.cached, u.free), (10, 2, 1, 7));
+    assert_eq!(u.filled_slots, 6);
+}
+
+#[test]
+fn bad_calls_are_errors() {
+    let mut m = test_manager(4, 0, 4);
+    let s = m.scope("a");
+    let empty = m.hash_prompt(s, &[]);
+    assert_eq!(
+        m.start_sequence(SeqId(1), &empty),
+        Err(KvError::EmptyPrompt)
+    );
+    start(&mut m, 1, "a", &[1, 2]);
+    let p = m.hash_prompt(s, &[1]);
+    assert_eq!(
+        m.start_sequence(SeqId(1), &p),
+        Err(KvError::DuplicateSequence(SeqId(1)))
+    );
+    assert_eq!(m.free(SeqId(9)), Err(KvError::UnknownSequence(SeqId(9))));
+    assert_eq!(
+        m.fork(SeqId(1), SeqId(1)),
+        Err(KvError::DuplicateSequence(SeqId(1)))
+    );
+    assert_eq!(
+        m.swap_in(&[SeqId(1)]),
+        Err(KvError::NotSwappedOut(SeqId(1)))
+    );
+}
