@@ -1,4 +1,10 @@
-//! Compute kernels for kvgate: CPU reference and fast kernels, and (behind the `cuda` feature) the
-//! CUDA kernels launched through cudarc, all behind one `Backend` trait the engine runs on.
-//!
-//! Filled by the model-runtime issue; the crate exists so the workspace layout is final.
+//! Compute kernels for kvgate, behind one [`Backend`] trait the engine runs on: the CPU reference
+//! and fast kernels in [`cpu`] (always built), and CUDA kernels behind the `cuda` feature.
+
+pub mod backend;
+pub mod cpu;
+
+pub use backend::{
+    AttnSeq, AttnShape, Backend, DType, Llama3RopeScaling, RopeConfig, WeightData,
+};
+pub use cpu::Cpu;

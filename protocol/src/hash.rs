@@ -5,19 +5,19 @@
 //! block exactly when they share the scope and every token up to the end of that block:
 //!
 //! ```text
-//! root  = BLAKE3( f(STR,"kvgate/kv/v1") f(STR,model_id) f(STR,weight_version) f(STR,kv_dtype)
-//!                 f(U32,B) f(BYTES,seed) )                                   -- 32 bytes
-//! h(0)  = BLAKE3_keyed(root, f(STR,scope)  f(TOKENS,tokens(0)))[..16]
-//! h(i)  = BLAKE3_keyed(root, f(HASH,h(i-1)) f(TOKENS,tokens(i)))[..16]
-//! f(tag, bytes) = tag:u8 | len(bytes):u64le | bytes;  tokens are u32 little-endian
+//! root     = BLAKE3( f(STR,"kvgate/kv/v1") f(STR,model_id) f(STR,weight_version) f(STR,kv_dtype)
+//!                    f(U32,B) f(BYTES,seed) )                          -- 32 bytes
+//! chain(-1)= BLAKE3_keyed(root, f(STR,scope))                          -- 32 bytes
+//! chain(i) = BLAKE3_keyed(chain(i-1), tokens(i))                       -- 32 bytes
+//! key(i)   = chain(i)[..16] as a little-endian u128
+//! f(tag, bytes) = tag:u8 | len(bytes):u64le | bytes;  tokens(i) = B tokens as u32 little-endian
 //! ```
 //!
-//! Every field is type-tagged and length-prefixed, so no two field sequences encode the same bytes.
-//! The root is the BLAKE3 key of every block hash, so it binds every block, not only the first; a
-//! new deployment seed (a 32-byte secret) makes every old key unreachable. Keys are the first 16
-//! bytes of the output read as a little-endian `u128`.
-//!
-//! Cost: two BLAKE3 compressions per block of 16 tokens (about 100 input bytes).
+//! Variable-length fields are type-tagged and length-prefixed, so no two field sequences encode the
+//! same bytes. A block's tokens need neither: they are always exactly `4B` bytes, and `B` is bound
+//! in the root. The chaining value is the BLAKE3 key of the next block, so every key depends on the
+//! deployment secret, the scope and every earlier token, and a 16-token block (64 bytes) costs a
+//! single BLAKE3 compression. Keys are 128 bits; the chain carries the full 256.
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
@@ -29,8 +29,6 @@ pub const RECIPE_DOMAIN: &str = "kvgate/kv/v1";
 const TAG_STR: u8 = 0x01;
 const TAG_U32: u8 = 0x02;
 const TAG_BYTES: u8 = 0x03;
-const TAG_HASH: u8 = 0x04;
-const TAG_TOKENS: u8 = 0x05;
 
 /// A 128-bit block key. Serialized as 32 lowercase hex digits (JSON has no 128-bit integers).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -101,6 +99,26 @@ pub struct HashParams {
     pub seed: [u8; 32],
 }
 
+/// The full 256-bit chaining value after a block (or, before the first block, after the scope).
+/// The first 16 bytes are that block's key.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Chain([u8; 32]);
+
+impl Chain {
+    /// The 128-bit key of the block this chain ends with.
+    pub fn key(&self) -> BlockHash {
+        let mut key = [0u8; 16];
+        key.copy_from_slice(&self.0[..16]);
+        BlockHash(u128::from_le_bytes(key))
+    }
+}
+
+impl fmt::Debug for Chain {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Chain({})", self.key())
+    }
+}
+
 /// Computes block keys for one deployment (one [`HashParams`]). Cheap to clone.
 #[derive(Clone)]
 pub struct BlockHasher {
@@ -149,40 +167,51 @@ impl BlockHasher {
         self.block_size
     }
 
-    /// Key of one full block. `parent` is `None` for the first block of a sequence, which is bound
-    /// to `scope` instead. `tokens` must hold exactly one block.
-    pub fn hash_block(&self, parent: Option<BlockHash>, scope: &str, tokens: &[u32]) -> BlockHash {
-        debug_assert_eq!(tokens.len(), self.block_size, "only full blocks are hashed");
+    /// The chain before the first block of a sequence in `scope`.
+    pub fn start(&self, scope: &str) -> Chain {
         let mut h = blake3::Hasher::new_keyed(&self.root);
-        match parent {
-            None => field(&mut h, TAG_STR, scope.as_bytes()),
-            Some(p) => field(&mut h, TAG_HASH, &p.to_le_bytes()),
-        }
-        h.update(&[TAG_TOKENS]);
-        h.update(&((tokens.len() * 4) as u64).to_le_bytes());
-        // Stack buffer: hashing one contiguous slice is faster than one update per token.
-        let mut buf = [0u8; 4 * 64];
-        for chunk in tokens.chunks(64) {
-            for (dst, t) in buf.chunks_exact_mut(4).zip(chunk) {
-                dst.copy_from_slice(&t.to_le_bytes());
-            }
-            h.update(&buf[..chunk.len() * 4]);
-        }
-        let out = h.finalize();
-        let mut key = [0u8; 16];
-        key.copy_from_slice(&out.as_bytes()[..16]);
-        BlockHash(u128::from_le_bytes(key))
+        field(&mut h, TAG_STR, scope.as_bytes());
+        Chain(*h.finalize().as_bytes())
     }
 
-    /// Keys of every full block of `tokens`, in order. A trailing partial block has no key.
-    pub fn hash_prefix(&self, scope: &str, tokens: &[u32]) -> Vec<BlockHash> {
-        let mut out = Vec::with_capacity(tokens.len() / self.block_size);
-        let mut parent = None;
-        for block in tokens.chunks_exact(self.block_size) {
-            let h = self.hash_block(parent, scope, block);
-            out.push(h);
-            parent = Some(h);
+    /// The chain after one more full block. `tokens` must hold exactly one block.
+    pub fn next(&self, prev: &Chain, tokens: &[u32]) -> Chain {
+        debug_assert_eq!(tokens.len(), self.block_size, "only full blocks are hashed");
+        // One contiguous input for the one-shot BLAKE3 call; blocks of up to 64 tokens stay on
+        // the stack.
+        let mut stack = [0u8; 4 * 64];
+        let mut heap = Vec::new();
+        let buf = if tokens.len() <= 64 {
+            &mut stack[..4 * tokens.len()]
+        } else {
+            heap.resize(4 * tokens.len(), 0);
+            &mut heap[..]
+        };
+        for (dst, t) in buf.chunks_exact_mut(4).zip(tokens) {
+            dst.copy_from_slice(&t.to_le_bytes());
         }
-        out
+        Chain(*blake3::keyed_hash(&prev.0, buf).as_bytes())
+    }
+
+    /// Keys of every full block of `tokens`, in order, and the chain after the last of them (the
+    /// start chain when there is no full block). A trailing partial block has no key.
+    pub fn hash_prefix(&self, scope: &str, tokens: &[u32]) -> (Vec<BlockHash>, Chain) {
+        self.extend(self.start(scope), tokens)
+    }
+
+    /// Like [`hash_prefix`](Self::hash_prefix), from a start chain computed once per scope.
+    pub fn extend(&self, start: Chain, tokens: &[u32]) -> (Vec<BlockHash>, Chain) {
+        let mut out = Vec::with_capacity(tokens.len() / self.block_size);
+        let mut chain = start;
+        for block in tokens.chunks_exact(self.block_size) {
+            chain = self.next(&chain, block);
+            out.push(chain.key());
+        }
+        (out, chain)
+    }
+
+    /// Keys of every full block of `tokens` (see [`hash_prefix`](Self::hash_prefix)).
+    pub fn block_keys(&self, scope: &str, tokens: &[u32]) -> Vec<BlockHash> {
+        self.hash_prefix(scope, tokens).0
     }
 }

@@ -11,4 +11,4 @@ pub mod events;
 pub mod hash;
 
 pub use events::{KvEvent, KvEventRecord};
-pub use hash::{BlockHash, BlockHasher, HashParams};
+pub use hash::{BlockHash, BlockHasher, Chain, HashParams};

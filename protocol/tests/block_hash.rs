@@ -17,15 +17,15 @@ fn params() -> HashParams {
 
 /// The published vectors: scope "tenant-a", tokens 0..48, three blocks.
 const VECTORS: [&str; 3] = [
-    "e892dfef8f8529d77a6e4c7bfa43d91f",
-    "093a4e82cfcee966234665bf9103ab3d",
-    "93cab13056679e3ef71f3c2a6a65e6dc",
+    "f04f6629273d9055be1553bbda3f810a",
+    "607f75848d18099c4d54c7cac6b25008",
+    "ed81473f9393c763563a355188fcef62",
 ];
 
 #[test]
 fn published_vectors() {
     let tokens: Vec<u32> = (0..48).collect();
-    let hashes = BlockHasher::new(&params()).hash_prefix("tenant-a", &tokens);
+    let hashes = BlockHasher::new(&params()).block_keys("tenant-a", &tokens);
     let got: Vec<String> = hashes.iter().map(|h| h.to_string()).collect();
     assert_eq!(got, VECTORS);
 }
@@ -47,31 +47,22 @@ fn recipe_matches_an_independent_derivation() {
     field(&mut root_input, 2, &16u32.to_le_bytes());
     field(&mut root_input, 3, &p.seed);
     let root = *blake3::hash(&root_input).as_bytes();
+    let mut scope = Vec::new();
+    field(&mut scope, 1, b"tenant-a");
+    let start = *blake3::keyed_hash(&root, &scope).as_bytes();
     let tokens: Vec<u8> = (0u32..32).flat_map(|t| t.to_le_bytes()).collect();
-    let mut b0 = Vec::new();
-    field(&mut b0, 1, b"tenant-a");
-    field(&mut b0, 5, &tokens[..64]);
-    let h0 = u128::from_le_bytes(
-        blake3::keyed_hash(&root, &b0).as_bytes()[..16]
-            .try_into()
-            .unwrap(),
-    );
-    let mut b1 = Vec::new();
-    field(&mut b1, 4, &h0.to_le_bytes());
-    field(&mut b1, 5, &tokens[64..]);
-    let h1 = u128::from_le_bytes(
-        blake3::keyed_hash(&root, &b1).as_bytes()[..16]
-            .try_into()
-            .unwrap(),
-    );
-    let ours = BlockHasher::new(&p).hash_prefix("tenant-a", &(0..32).collect::<Vec<u32>>());
-    assert_eq!(ours, vec![BlockHash(h0), BlockHash(h1)]);
+    let c0 = *blake3::keyed_hash(&start, &tokens[..64]).as_bytes();
+    let c1 = *blake3::keyed_hash(&c0, &tokens[64..]).as_bytes();
+    let key = |c: [u8; 32]| BlockHash(u128::from_le_bytes(c[..16].try_into().unwrap()));
+    let (ours, chain) = BlockHasher::new(&p).hash_prefix("tenant-a", &(0..32).collect::<Vec<u32>>());
+    assert_eq!(ours, vec![key(c0), key(c1)]);
+    assert_eq!(chain.key(), key(c1));
 }
 
 #[test]
 fn every_input_changes_the_keys() {
     let tokens: Vec<u32> = (0..32).collect();
-    let base = BlockHasher::new(&params()).hash_prefix("tenant-a", &tokens);
+    let base = BlockHasher::new(&params()).block_keys("tenant-a", &tokens);
     let variants: Vec<HashParams> = vec![
         HashParams {
             model_id: "other".into(),
@@ -91,15 +82,15 @@ fn every_input_changes_the_keys() {
         },
     ];
     for v in variants {
-        let h = BlockHasher::new(&v).hash_prefix("tenant-a", &tokens);
+        let h = BlockHasher::new(&v).block_keys("tenant-a", &tokens);
         assert!(h.iter().zip(&base).all(|(a, b)| a != b), "{v:?}");
     }
-    let other_scope = BlockHasher::new(&params()).hash_prefix("tenant-b", &tokens);
+    let other_scope = BlockHasher::new(&params()).block_keys("tenant-b", &tokens);
     assert!(other_scope.iter().zip(&base).all(|(a, b)| a != b));
     // A change in block 0 changes every later key; a change in block 1 leaves block 0 alone.
     let mut t2 = tokens.clone();
     t2[20] = 999;
-    let h2 = BlockHasher::new(&params()).hash_prefix("tenant-a", &t2);
+    let h2 = BlockHasher::new(&params()).block_keys("tenant-a", &t2);
     assert_eq!(h2[0], base[0]);
     assert_ne!(h2[1], base[1]);
 }
@@ -119,22 +110,31 @@ fn fields_are_length_prefixed() {
     };
     let t: Vec<u32> = (0..16).collect();
     assert_ne!(
-        BlockHasher::new(&a).hash_prefix("s", &t),
-        BlockHasher::new(&b).hash_prefix("s", &t)
+        BlockHasher::new(&a).block_keys("s", &t),
+        BlockHasher::new(&b).block_keys("s", &t)
     );
 }
 
 #[test]
 fn partial_blocks_have_no_key_and_block_size_binds() {
     let h = BlockHasher::new(&params());
-    assert_eq!(h.hash_prefix("s", &(0..47).collect::<Vec<u32>>()).len(), 2);
-    assert!(h.hash_prefix("s", &[1, 2, 3]).is_empty());
+    assert_eq!(h.block_keys("s", &(0..47).collect::<Vec<u32>>()).len(), 2);
+    let (keys, chain) = h.hash_prefix("s", &[1, 2, 3]);
+    assert!(keys.is_empty());
+    assert_eq!(chain, h.start("s"), "no full block: the chain is the scope's start");
+    // Extending from a chain equals hashing the whole prefix.
+    let t: Vec<u32> = (0..64).collect();
+    let (head, mid) = h.hash_prefix("s", &t[..32]);
+    let (tail, end) = h.extend(mid, &t[32..]);
+    let (all, end2) = h.hash_prefix("s", &t);
+    assert_eq!([head, tail].concat(), all);
+    assert_eq!(end, end2);
     let h8 = BlockHasher::new(&HashParams {
         block_size: 8,
         ..params()
     });
     let t: Vec<u32> = (0..16).collect();
-    assert_ne!(h8.hash_prefix("s", &t)[1], h.hash_prefix("s", &t)[0]);
+    assert_ne!(h8.block_keys("s", &t)[1], h.block_keys("s", &t)[0]);
 }
 
 #[test]

@@ -19,7 +19,7 @@ use super::event_log::EventLog;
 use super::host_pool::HostPool;
 use super::prefix_index::PrefixIndex;
 use super::{BlockId, BlockTable, HostBlockId, ScopeId, SeqId};
-use kvgate_protocol::{BlockHash, BlockHasher, KvEvent, KvEventRecord};
+use kvgate_protocol::{BlockHash, BlockHasher, Chain, KvEvent, KvEventRecord};
 use std::collections::HashMap;
 
 /// Sizes of the pools and the hash recipe.
@@ -81,6 +81,8 @@ impl KvError {
 pub struct HashedPrompt {
     scope: ScopeId,
     hashes: Vec<BlockHash>,
+    /// Chain after the last full block (the scope's start chain when there is none).
+    chain: Chain,
     num_tokens: usize,
 }
 
@@ -161,6 +163,8 @@ pub(super) struct SeqState {
     /// Known hashes of the sequence's full blocks, in order. Prompt hashes are known at admission,
     /// ahead of the blocks being filled.
     pub(super) hashes: Vec<BlockHash>,
+    /// Chain after the last entry of `hashes`: what the next full block is hashed from.
+    pub(super) chain: Chain,
     /// Tokens of the block being filled (cleared when it fills).
     pub(super) partial: Vec<u32>,
 }
@@ -182,6 +186,8 @@ pub struct KvCacheManager {
     pub(super) index: PrefixIndex,
     pub(super) seqs: HashMap<SeqId, SeqState>,
     pub(super) scopes: Vec<String>,
+    /// Each scope's start chain, computed once.
+    pub(super) scope_chains: Vec<Chain>,
     pub(super) scope_ids: HashMap<String, ScopeId>,
     pub(super) quotas: Vec<Option<u32>>,
     pub(super) events: EventLog,
@@ -199,6 +205,7 @@ impl KvCacheManager {
             index: PrefixIndex::new(),
             seqs: HashMap::new(),
             scopes: Vec::new(),
+            scope_chains: Vec::new(),
             scope_ids: HashMap::new(),
             quotas: Vec::new(),
             events: EventLog::default(),
@@ -217,6 +224,7 @@ impl KvCacheManager {
         }
         let id = ScopeId(self.scopes.len() as u32);
         self.scopes.push(name.to_owned());
+        self.scope_chains.push(self.hasher.start(name));
         self.quotas.push(None);
         self.scope_ids.insert(name.to_owned(), id);
         id
@@ -238,9 +246,13 @@ impl KvCacheManager {
 
     /// Hashes a prompt's full blocks in `scope` (done once per request).
     pub fn hash_prompt(&self, scope: ScopeId, tokens: &[u32]) -> HashedPrompt {
+        let (hashes, chain) = self
+            .hasher
+            .extend(self.scope_chains[scope.0 as usize], tokens);
         HashedPrompt {
             scope,
-            hashes: self.hasher.hash_prefix(self.scope_name(scope), tokens),
+            hashes,
+            chain,
             num_tokens: tokens.len(),
         }
     }
@@ -294,6 +306,7 @@ impl KvCacheManager {
                 table,
                 host: None,
                 hashes: prompt.hashes.clone(),
+                chain: prompt.chain,
                 partial: Vec::with_capacity(self.block_size),
             },
         );
@@ -427,20 +440,12 @@ impl KvCacheManager {
 
     fn register_full_block(&mut self, state: &mut SeqState, logical: usize, id: BlockId) {
         let parent = logical.checked_sub(1).map(|p| state.hashes[p]);
+        // Prompt blocks were hashed at admission; later blocks (generated tokens) now.
         let hash = if logical < state.hashes.len() {
-            debug_assert_eq!(
-                state.hashes[logical],
-                self.hasher.hash_block(
-                    parent,
-                    &self.scopes[state.scope.0 as usize],
-                    &state.partial
-                ),
-                "tokens appended to a prompt differ from the prompt hashed at admission"
-            );
             state.hashes[logical]
         } else {
-            let scope = &self.scopes[state.scope.0 as usize];
-            let h = self.hasher.hash_block(parent, scope, &state.partial);
+            state.chain = self.hasher.next(&state.chain, &state.partial);
+            let h = state.chain.key();
             state.hashes.push(h);
             h
         };

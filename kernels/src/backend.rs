@@ -1,0 +1,181 @@
+//! The `Backend` trait: every operation the engine's forward pass runs, on one device.
+//!
+//! Activations are f32 row-major matrices (`rows` tokens x `cols` features). Weights are stored in
+//! f32, f16 or bf16 and always accumulated in f32. The KV cache of one layer is a paged pool:
+//! `[num_blocks, block_size, num_kv_heads, head_dim]`, one pool for K and one for V, indexed by
+//! physical slot `block * block_size + offset` (the block manager's slot numbering).
+//!
+//! The CPU implementation ([`crate::cpu::Cpu`]) is the reference every other backend is tested
+//! against.
+
+use half::{bf16, f16};
+
+/// Storage type of weights and KV caches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl DType {
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        }
+    }
+}
+
+/// Host-side weight data handed to [`Backend::weight`].
+#[derive(Debug, Clone)]
+pub enum WeightData {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+}
+
+impl WeightData {
+    pub fn len(&self) -> usize {
+        match self {
+            WeightData::F32(v) => v.len(),
+            WeightData::F16(v) => v.len(),
+            WeightData::BF16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            WeightData::F32(_) => DType::F32,
+            WeightData::F16(_) => DType::F16,
+            WeightData::BF16(_) => DType::BF16,
+        }
+    }
+}
+
+/// Shape of a layer's attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
+
+/// One sequence in an attention batch. Its `query_len` queries are rows
+/// `query_start..query_start + query_len` of the batch's Q, and they are the last `query_len`
+/// positions of its `context_len` tokens, whose K/V are already in the cache (this step's rows
+/// were written by `reshape_and_cache` first). Query j sits at position
+/// `context_len - query_len + j` and attends causally to positions `0..=` its own.
+/// A decode is `query_len == 1`; a prefill chunk over a cached prefix has `query_len` > 1.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnSeq<'a> {
+    pub query_start: usize,
+    pub query_len: usize,
+    pub context_len: usize,
+    /// Physical block of each logical block of the sequence.
+    pub block_table: &'a [u32],
+}
+
+/// Rotary embedding parameters (rotate-half layout, as in Hugging Face Llama).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f32,
+    pub head_dim: usize,
+    pub max_positions: usize,
+    /// Llama-3 style frequency scaling, when the model uses it.
+    pub llama3_scaling: Option<Llama3RopeScaling>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama3RopeScaling {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_max_position_embeddings: usize,
+}
+
+/// A device that runs the model's operations.
+pub trait Backend: Send + Sync + std::fmt::Debug {
+    /// An f32 activation matrix on the device.
+    type Tensor: Send;
+    /// A weight matrix `[rows, cols]` (or a vector, rows = 1) in its storage type.
+    type Weight: Send + Sync;
+    /// One layer's paged K or V pool.
+    type Cache: Send;
+    /// Precomputed rotary tables.
+    type Rope: Send + Sync;
+
+    fn name(&self) -> &'static str;
+
+    /// A zeroed `[rows, cols]` tensor.
+    fn tensor(&self, rows: usize, cols: usize) -> Self::Tensor;
+    /// Copies host data (`rows * cols` values) to a tensor.
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Self::Tensor;
+    /// Copies a tensor to the host.
+    fn download(&self, t: &Self::Tensor) -> Vec<f32>;
+    /// Rows and columns of a tensor.
+    fn shape(&self, t: &Self::Tensor) -> (usize, usize);
+    /// Changes a tensor's row count, keeping its columns (contents unspecified): buffers are
+    /// reused across steps of different batch sizes.
+    fn resize_rows(&self, t: &mut Self::Tensor, rows: usize);
+
+    fn weight(&self, data: WeightData, rows: usize, cols: usize) -> Self::Weight;
+    fn cache(&self, num_blocks: usize, shape: AttnShape, dtype: DType) -> Self::Cache;
+    fn rope(&self, config: &RopeConfig) -> Self::Rope;
+
+    /// `out[i] = table[ids[i]]` (table `[vocab, dim]`).
+    fn embedding(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Tensor);
+    /// `out = x / rms(x) * w` per row.
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Weight, eps: f32, out: &mut Self::Tensor);
+    /// `out = x @ w^T` (+ `bias`): x `[m, k]`, w `[n, k]`, out `[m, n]`.
+    fn matmul(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+        out: &mut Self::Tensor,
+    );
+    /// `x += y`.
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+    /// Rotates each head of `x` (`[tokens, heads * head_dim]`) by its token's position.
+    fn apply_rope(&self, rope: &Self::Rope, x: &mut Self::Tensor, positions: &[u32]);
+    /// `out = silu(gate) * up`, with `gate_up` = `[gate | up]` per row (`2 * ffn` columns).
+    fn silu_mul(&self, gate_up: &Self::Tensor, out: &mut Self::Tensor);
+    /// Writes row i of `k` and `v` (`[tokens, kv_heads * head_dim]`) into slot `slots[i]`.
+    fn reshape_and_cache(
+        &self,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        k_cache: &mut Self::Cache,
+        v_cache: &mut Self::Cache,
+        slots: &[u32],
+    );
+    /// Paged attention for a batch mixing prefill chunks and decodes, with grouped-query
+    /// attention: `out` rows match `q` rows (`[tokens, heads * head_dim]`).
+    fn paged_attention(
+        &self,
+        q: &Self::Tensor,
+        k_cache: &Self::Cache,
+        v_cache: &Self::Cache,
+        seqs: &[AttnSeq<'_>],
+        scale: f32,
+        out: &mut Self::Tensor,
+    );
+    /// Copy-on-write: for each `(src, dst)`, block `dst` becomes a copy of block `src`.
+    fn copy_blocks(&self, cache: &mut Self::Cache, pairs: &[(u32, u32)]);
+    /// Copies blocks between two caches (device -> host swap and back): `(src in from, dst in to)`.
+    fn transfer_blocks(&self, from: &Self::Cache, to: &mut Self::Cache, pairs: &[(u32, u32)]);
+}

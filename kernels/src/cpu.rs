@@ -1,0 +1,1 @@
+//! CPU kernels (to be written).
