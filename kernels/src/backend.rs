@@ -5,7 +5,7 @@
 //! `[num_blocks, block_size, num_kv_heads, head_dim]`, one pool for K and one for V, indexed by
 //! physical slot `block * block_size + offset` (the block manager's slot numbering).
 //!
-//! The CPU implementation ([`crate::cpu::Cpu`]) is the reference every other backend is tested
+//! The CPU implementation (`cpu::Cpu`) is the reference every other backend is tested
 //! against.
 
 use half::{bf16, f16};

@@ -7,4 +7,3 @@ pub mod cpu;
 pub use backend::{
     AttnSeq, AttnShape, Backend, DType, Llama3RopeScaling, RopeConfig, WeightData,
 };
-pub use cpu::Cpu;
