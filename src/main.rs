@@ -1,6 +1,8 @@
 //! `kvgate`: the one binary. Each subcommand wires the library crates together.
 
 mod assets;
+mod generate_cmd;
+mod model_cmd;
 mod sim_cmd;
 
 use clap::{Parser, Subcommand};
@@ -19,6 +21,11 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Generate text for one prompt through the engine path (block manager, paged attention).
+    Generate(generate_cmd::GenerateArgs),
+    /// Fetch the default model or import a GGUF file.
+    #[command(subcommand)]
+    Model(model_cmd::ModelCommand),
     /// KV memory simulator: paged against contiguous allocation on one workload.
     Sim(sim_cmd::SimArgs),
 }
@@ -26,6 +33,8 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Generate(args) => generate_cmd::run(args),
+        Command::Model(cmd) => model_cmd::run(cmd),
         Command::Sim(args) => sim_cmd::run(args),
     };
     match result {

@@ -5,4 +5,6 @@
 
 pub mod kv;
 pub mod model;
+pub mod sampling;
+pub mod scheduler;
 pub mod sim;

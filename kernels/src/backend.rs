@@ -13,12 +13,16 @@ use half::{bf16, f16};
 /// Storage type of weights and KV caches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// IEEE binary32.
     F32,
+    /// IEEE binary16.
     F16,
+    /// bfloat16 (the top half of an f32).
     BF16,
 }
 
 impl DType {
+    /// Bytes per value.
     pub fn size_bytes(self) -> usize {
         match self {
             DType::F32 => 4,
@@ -26,6 +30,7 @@ impl DType {
         }
     }
 
+    /// Lower-case name (`f32`, `f16`, `bf16`).
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
@@ -44,6 +49,7 @@ pub enum WeightData {
 }
 
 impl WeightData {
+    /// Number of values.
     pub fn len(&self) -> usize {
         match self {
             WeightData::F32(v) => v.len(),
@@ -52,10 +58,12 @@ impl WeightData {
         }
     }
 
+    /// Whether there are no values.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// Storage type of the values.
     pub fn dtype(&self) -> DType {
         match self {
             WeightData::F32(_) => DType::F32,
@@ -68,9 +76,13 @@ impl WeightData {
 /// Shape of a layer's attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttnShape {
+    /// Query heads.
     pub num_heads: usize,
+    /// Key/value heads (a divisor of `num_heads`; each serves `num_heads / num_kv_heads`).
     pub num_kv_heads: usize,
+    /// Values per head.
     pub head_dim: usize,
+    /// Tokens per cache block.
     pub block_size: usize,
 }
 
@@ -92,18 +104,26 @@ pub struct AttnSeq<'a> {
 /// Rotary embedding parameters (rotate-half layout, as in Hugging Face Llama).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RopeConfig {
+    /// Base of the frequencies (`rope_theta`).
     pub theta: f32,
+    /// Values per head (rotated as two halves).
     pub head_dim: usize,
+    /// Positions to precompute tables for.
     pub max_positions: usize,
     /// Llama-3 style frequency scaling, when the model uses it.
     pub llama3_scaling: Option<Llama3RopeScaling>,
 }
 
+/// Llama-3 rope scaling (`rope_scaling` with `rope_type: "llama3"` in config.json).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Llama3RopeScaling {
+    /// Divisor of the low frequencies.
     pub factor: f32,
+    /// Wavelengths above `original / low_freq_factor` are divided by `factor`.
     pub low_freq_factor: f32,
+    /// Wavelengths below `original / high_freq_factor` are kept.
     pub high_freq_factor: f32,
+    /// Context length of the unscaled model.
     pub original_max_position_embeddings: usize,
 }
 
@@ -118,6 +138,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Precomputed rotary tables.
     type Rope: Send + Sync;
 
+    /// Short name of the backend (for logs and metrics).
     fn name(&self) -> &'static str;
 
     /// A zeroed `[rows, cols]` tensor.
@@ -132,8 +153,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// reused across steps of different batch sizes.
     fn resize_rows(&self, t: &mut Self::Tensor, rows: usize);
 
+    /// Moves host weight data (`rows * cols` values, row-major) to the device.
     fn weight(&self, data: WeightData, rows: usize, cols: usize) -> Self::Weight;
+    /// A zeroed pool of `num_blocks` blocks for one layer's K or V.
     fn cache(&self, num_blocks: usize, shape: AttnShape, dtype: DType) -> Self::Cache;
+    /// Precomputes rotary tables.
     fn rope(&self, config: &RopeConfig) -> Self::Rope;
 
     /// `out[i] = table[ids[i]]` (table `[vocab, dim]`).
@@ -150,6 +174,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     );
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+    /// `out` becomes the rows `rows` of `x`, in that order (`out` is resized to `rows.len()`).
+    fn gather_rows(&self, x: &Self::Tensor, rows: &[u32], out: &mut Self::Tensor);
     /// Rotates each head of `x` (`[tokens, heads * head_dim]`) by its token's position.
     fn apply_rope(&self, rope: &Self::Rope, x: &mut Self::Tensor, positions: &[u32]);
     /// `out = silu(gate) * up`, with `gate_up` = `[gate | up]` per row (`2 * ffn` columns).

@@ -4,6 +4,5 @@
 pub mod backend;
 pub mod cpu;
 
-pub use backend::{
-    AttnSeq, AttnShape, Backend, DType, Llama3RopeScaling, RopeConfig, WeightData,
-};
+pub use backend::{AttnSeq, AttnShape, Backend, DType, Llama3RopeScaling, RopeConfig, WeightData};
+pub use cpu::Cpu;

@@ -119,6 +119,21 @@ impl fmt::Debug for Chain {
     }
 }
 
+/// Tokens as u32 little-endian bytes: a view of the slice itself on little-endian machines.
+#[cfg(target_endian = "little")]
+fn token_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
+    // SAFETY: u8 has no alignment requirement and every byte of a u32 is initialized; on a
+    // little-endian target the in-memory bytes are exactly the LE encoding.
+    let bytes =
+        unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), tokens.len() * 4) };
+    std::borrow::Cow::Borrowed(bytes)
+}
+
+#[cfg(not(target_endian = "little"))]
+fn token_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
+    std::borrow::Cow::Owned(tokens.iter().flat_map(|t| t.to_le_bytes()).collect())
+}
+
 /// Computes block keys for one deployment (one [`HashParams`]). Cheap to clone.
 #[derive(Clone)]
 pub struct BlockHasher {
@@ -177,20 +192,7 @@ impl BlockHasher {
     /// The chain after one more full block. `tokens` must hold exactly one block.
     pub fn next(&self, prev: &Chain, tokens: &[u32]) -> Chain {
         debug_assert_eq!(tokens.len(), self.block_size, "only full blocks are hashed");
-        // One contiguous input for the one-shot BLAKE3 call; blocks of up to 64 tokens stay on
-        // the stack.
-        let mut stack = [0u8; 4 * 64];
-        let mut heap = Vec::new();
-        let buf = if tokens.len() <= 64 {
-            &mut stack[..4 * tokens.len()]
-        } else {
-            heap.resize(4 * tokens.len(), 0);
-            &mut heap[..]
-        };
-        for (dst, t) in buf.chunks_exact_mut(4).zip(tokens) {
-            dst.copy_from_slice(&t.to_le_bytes());
-        }
-        Chain(*blake3::keyed_hash(&prev.0, buf).as_bytes())
+        Chain(*blake3::keyed_hash(&prev.0, token_bytes(tokens).as_ref()).as_bytes())
     }
 
     /// Keys of every full block of `tokens`, in order, and the chain after the last of them (the

@@ -2,13 +2,16 @@
 //!
 //! - [`hash`]: the block-hash recipe. The gateway and every engine must turn the same tokens into
 //!   the same 128-bit keys, so the recipe lives here and nowhere else.
+//! - [`prompt`]: tokenizer and chat template, so gateway and engine tokenize alike.
 //! - [`events`]: the KV events an engine publishes (`/kv/events`) so the gateway's prefix index
 //!   mirrors the engine's cache.
 //!
-//! No IO and no async: this crate is cheap to depend on.
+//! No network and no async.
 
 pub mod events;
 pub mod hash;
+pub mod openai;
+pub mod prompt;
 
 pub use events::{KvEvent, KvEventRecord};
 pub use hash::{BlockHash, BlockHasher, Chain, HashParams};

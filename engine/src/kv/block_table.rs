@@ -38,6 +38,10 @@ impl BlockTable {
         self.blocks[pos / block_size].0 as usize * block_size + pos % block_size
     }
 
+    pub(crate) fn reserve(&mut self, additional: usize) {
+        self.blocks.reserve(additional);
+    }
+
     pub(crate) fn push(&mut self, id: BlockId) {
         self.blocks.push(id);
     }

@@ -1,65 +1,115 @@
-//! The buffer of KV events a manager produces, numbered, with adjacent events coalesced.
+//! The buffer of KV events a manager produces.
+//!
+//! Changes are recorded flat (one fixed-size entry per block, no allocation once the buffer has
+//! grown) and turned into numbered [`KvEventRecord`]s when drained, with consecutive blocks of one
+//! chain, and consecutive removals, coalesced into one event each. Numbers are assigned at drain
+//! time, so they have no gaps.
 
+use super::ScopeId;
 use kvgate_protocol::{BlockHash, KvEvent, KvEventRecord};
 
-/// Numbered KV events waiting to be published.
+#[derive(Debug, Clone, Copy)]
+enum Raw {
+    Stored {
+        hash: BlockHash,
+        parent: Option<BlockHash>,
+        scope: ScopeId,
+    },
+    Removed(BlockHash),
+    Cleared,
+}
+
+/// KV changes waiting to be published.
 #[derive(Debug, Clone, Default)]
 pub struct EventLog {
-    pending: Vec<KvEventRecord>,
-    /// Sequence number of the last event created (0: none yet).
+    raw: Vec<Raw>,
+    /// Sequence number of the last event drained (0: none yet).
     last_seq: u64,
 }
 
 impl EventLog {
-    /// Sequence number of the newest event (0 before the first).
+    /// Sequence number of the newest drained event (0 before the first).
     pub fn last_seq(&self) -> u64 {
         self.last_seq
     }
 
-    /// Takes every pending event, oldest first.
-    pub fn drain(&mut self) -> Vec<KvEventRecord> {
-        std::mem::take(&mut self.pending)
+    /// Whether changes are waiting to be drained.
+    pub fn has_pending(&self) -> bool {
+        !self.raw.is_empty()
     }
 
-    pub(crate) fn stored(&mut self, hash: BlockHash, parent: Option<BlockHash>, scope: &str) {
-        // Consecutive blocks of one sequence become one event.
-        if let Some(KvEventRecord {
-            event: KvEvent::BlockStored {
-                hashes, scope: s, ..
-            },
-            ..
-        }) = self.pending.last_mut()
-        {
-            if s == scope && parent.is_some() && hashes.last() == parent.as_ref() {
-                hashes.push(hash);
-                return;
-            }
+    /// Takes every pending change as numbered events, oldest first. `scopes` names scope ids.
+    pub fn drain(&mut self, scopes: &[String]) -> Vec<KvEventRecord> {
+        let mut out: Vec<KvEventRecord> = Vec::new();
+        let mut i = 0;
+        while i < self.raw.len() {
+            let start = i;
+            let event = match self.raw[i] {
+                Raw::Stored { parent, scope, .. } => {
+                    i += 1;
+                    while let (Raw::Stored { hash: prev, .. }, Some(Raw::Stored { parent: p, scope: s, .. })) =
+                        (self.raw[i - 1], self.raw.get(i))
+                    {
+                        if *s != scope || *p != Some(prev) {
+                            break;
+                        }
+                        i += 1;
+                    }
+                    let mut hashes = Vec::with_capacity(i - start);
+                    hashes.extend(self.raw[start..i].iter().filter_map(|r| match r {
+                        Raw::Stored { hash, .. } => Some(*hash),
+                        _ => None,
+                    }));
+                    KvEvent::BlockStored {
+                        hashes,
+                        parent,
+                        scope: scopes[scope.0 as usize].clone(),
+                    }
+                }
+                Raw::Removed(_) => {
+                    while matches!(self.raw.get(i), Some(Raw::Removed(_))) {
+                        i += 1;
+                    }
+                    let mut hashes = Vec::with_capacity(i - start);
+                    hashes.extend(self.raw[start..i].iter().filter_map(|r| match r {
+                        Raw::Removed(h) => Some(*h),
+                        _ => None,
+                    }));
+                    KvEvent::BlockRemoved { hashes }
+                }
+                Raw::Cleared => {
+                    i += 1;
+                    KvEvent::AllCleared
+                }
+            };
+            self.last_seq += 1;
+            out.push(KvEventRecord {
+                seq: self.last_seq,
+                event,
+            });
         }
-        self.push(KvEvent::BlockStored {
-            hashes: vec![hash],
+        self.raw.clear();
+        out
+    }
+
+    pub(crate) fn stored(&mut self, hash: BlockHash, parent: Option<BlockHash>, scope: ScopeId) {
+        self.raw.push(Raw::Stored {
+            hash,
             parent,
-            scope: scope.to_owned(),
+            scope,
         });
     }
 
     pub(crate) fn removed(&mut self, hash: BlockHash) {
-        if let Some(KvEventRecord {
-            event: KvEvent::BlockRemoved { hashes },
-            ..
-        }) = self.pending.last_mut()
-        {
-            hashes.push(hash);
-            return;
-        }
-        self.push(KvEvent::BlockRemoved { hashes: vec![hash] });
+        self.raw.push(Raw::Removed(hash));
     }
 
-    pub(crate) fn push(&mut self, event: KvEvent) {
-        self.last_seq += 1;
-        self.pending.push(KvEventRecord {
-            seq: self.last_seq,
-            event,
-        });
+    pub(crate) fn removed_many(&mut self, hashes: impl IntoIterator<Item = BlockHash>) {
+        self.raw.extend(hashes.into_iter().map(Raw::Removed));
+    }
+
+    pub(crate) fn cleared(&mut self) {
+        self.raw.push(Raw::Cleared);
     }
 }
 
@@ -70,14 +120,17 @@ mod tests {
     #[test]
     fn coalesces_chains_and_removals() {
         let mut log = EventLog::default();
-        log.stored(BlockHash(1), None, "a");
-        log.stored(BlockHash(2), Some(BlockHash(1)), "a");
-        log.stored(BlockHash(9), Some(BlockHash(5)), "a");
+        let (a, b) = (ScopeId(0), ScopeId(1));
+        log.stored(BlockHash(1), None, a);
+        log.stored(BlockHash(2), Some(BlockHash(1)), a);
+        log.stored(BlockHash(3), Some(BlockHash(2)), b);
+        log.stored(BlockHash(9), Some(BlockHash(5)), b);
         log.removed(BlockHash(1));
         log.removed(BlockHash(2));
-        log.push(KvEvent::AllCleared);
-        let events = log.drain();
-        assert_eq!(events.len(), 4);
+        log.cleared();
+        let scopes = ["a".to_owned(), "b".to_owned()];
+        let events = log.drain(&scopes);
+        assert_eq!(events.len(), 5);
         assert_eq!(events[0].seq, 1);
         assert_eq!(
             events[0].event,
@@ -88,13 +141,23 @@ mod tests {
             }
         );
         assert_eq!(
-            events[2].event,
+            events[1].event,
+            KvEvent::BlockStored {
+                hashes: vec![BlockHash(3)],
+                parent: Some(BlockHash(2)),
+                scope: "b".into()
+            }
+        );
+        assert_eq!(
+            events[3].event,
             KvEvent::BlockRemoved {
                 hashes: vec![BlockHash(1), BlockHash(2)]
             }
         );
-        assert_eq!(events[3].seq, 4);
-        assert_eq!(log.last_seq(), 4);
-        assert!(log.drain().is_empty());
+        assert_eq!(events[4].event, KvEvent::AllCleared);
+        assert_eq!(log.last_seq(), 5);
+        assert!(log.drain(&scopes).is_empty());
+        log.removed(BlockHash(4));
+        assert_eq!(log.drain(&scopes)[0].seq, 6);
     }
 }

@@ -19,7 +19,7 @@ use super::event_log::EventLog;
 use super::host_pool::HostPool;
 use super::prefix_index::PrefixIndex;
 use super::{BlockId, BlockTable, HostBlockId, ScopeId, SeqId};
-use kvgate_protocol::{BlockHash, BlockHasher, Chain, KvEvent, KvEventRecord};
+use kvgate_protocol::{BlockHash, BlockHasher, Chain, KvEventRecord};
 use std::collections::HashMap;
 
 /// Sizes of the pools and the hash recipe.
@@ -340,6 +340,38 @@ impl KvCacheManager {
         Ok(self.append_need(state, n).0)
     }
 
+    /// How many tokens `seq` could append now without running out of free blocks (copy-on-write
+    /// included).
+    pub fn appendable_tokens(&self, seq: SeqId) -> usize {
+        let Some(state) = self.seqs.get(&seq) else {
+            return 0;
+        };
+        let b = self.block_size;
+        let free = self.pool.num_free();
+        let (_, cow) = self.append_need(state, 1);
+        let filled = state.table.last_block_filled(b);
+        let room = if state.table.blocks().is_empty() || filled == b { 0 } else { b - filled };
+        let free_after_cow = free.saturating_sub(usize::from(cow));
+        if cow && free == 0 {
+            return 0;
+        }
+        room + free_after_cow * b
+    }
+
+    /// Total device blocks.
+    pub fn num_blocks(&self) -> usize {
+        self.pool.num_blocks()
+    }
+
+    /// Free device blocks (cached ones included: they are evicted on demand).
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.num_free()
+    }
+
+    pub fn quota(&self, scope: ScopeId) -> Option<u32> {
+        self.quotas[scope.0 as usize]
+    }
+
     /// (blocks to allocate, copy-on-write needed) for appending `n` tokens.
     fn append_need(&self, state: &SeqState, n: usize) -> (usize, bool) {
         let b = self.block_size;
@@ -385,6 +417,7 @@ impl KvCacheManager {
         } else {
             None
         };
+        state.table.reserve(needed);
         let first_pos = state.table.num_tokens();
         let b = self.block_size;
         let mut rest = tokens;
@@ -452,8 +485,7 @@ impl KvCacheManager {
         state.partial.clear();
         if self.index.insert(hash, id) {
             self.pool.set_hash(id, hash);
-            let scope = &self.scopes[state.scope.0 as usize];
-            self.events.stored(hash, parent, scope);
+            self.events.stored(hash, parent, state.scope);
         }
     }
 
@@ -525,11 +557,8 @@ impl KvCacheManager {
             self.pool.clear_hash(id);
         }
         match scope {
-            None => self.events.push(KvEvent::AllCleared),
-            Some(_) if !victims.is_empty() => self.events.push(KvEvent::BlockRemoved {
-                hashes: victims.iter().map(|(h, _)| *h).collect(),
-            }),
-            Some(_) => {}
+            None => self.events.cleared(),
+            Some(_) => self.events.removed_many(victims.iter().map(|(h, _)| *h)),
         }
         victims.len()
     }
@@ -553,13 +582,14 @@ impl KvCacheManager {
 
     /// Takes the KV events produced since the last call.
     pub fn drain_events(&mut self) -> Vec<KvEventRecord> {
-        self.events.drain()
+        self.events.drain(&self.scopes)
     }
 
     /// Every cached hash with its scope, and the sequence number of the last event it reflects: a
     /// consumer re-syncs by replacing its index with this, then applying events after `seq`.
     /// Call it after draining pending events.
     pub fn snapshot(&self) -> (u64, Vec<(String, BlockHash)>) {
+        debug_assert!(!self.events.has_pending(), "drain events before a snapshot");
         let blocks = self
             .index
             .iter()
@@ -570,6 +600,11 @@ impl KvCacheManager {
 
     pub fn block_table(&self, seq: SeqId) -> Option<&BlockTable> {
         self.seqs.get(&seq).map(|s| &s.table)
+    }
+
+    /// Host blocks a swapped-out sequence holds.
+    pub fn swapped_blocks(&self, seq: SeqId) -> Option<usize> {
+        self.seqs.get(&seq)?.host.as_ref().map(Vec::len)
     }
 
     pub fn is_swapped_out(&self, seq: SeqId) -> bool {

@@ -126,8 +126,7 @@ impl KvCacheManager {
                     if let Some(hash) = meta.hash {
                         if self.index.insert(hash, b) {
                             self.pool.set_hash(b, hash);
-                            let scope = self.scope_name(scope).to_owned();
-                            self.events.stored(hash, parent, &scope);
+                            self.events.stored(hash, parent, scope);
                         }
                     }
                     plan.to_device.push((h, b));

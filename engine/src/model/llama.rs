@@ -1,0 +1,303 @@
+//! The Llama-family forward pass (Llama 2/3, Qwen2, Mistral, SmolLM) over a [`Backend`], reading
+//! and writing the paged KV cache through the block manager's slots and block tables.
+//!
+//! Per layer: RMSNorm -> Q, K, V projections (+ bias for Qwen2) -> RoPE -> write K/V of the new
+//! tokens into their slots -> paged attention over each sequence's blocks -> output projection ->
+//! residual -> RMSNorm -> gate|up projection -> SiLU-and-multiply -> down projection -> residual.
+//! Every sequence's new K/V rows are written before any attention of that layer runs, so a
+//! sequence may attend to blocks another sequence of the same batch fills in this very step.
+//!
+//! Cost per step: one pass over every weight (matmuls of `tokens x hidden`), plus attention over
+//! each sequence's context.
+
+use super::config::ModelConfig;
+use super::weights::Safetensors;
+use super::ModelError;
+use kvgate_kernels::{
+    AttnSeq, AttnShape, Backend, DType, Llama3RopeScaling, RopeConfig, WeightData,
+};
+use std::path::Path;
+
+struct Layer<B: Backend> {
+    input_norm: B::Weight,
+    q: B::Weight,
+    k: B::Weight,
+    v: B::Weight,
+    qkv_bias: Option<[B::Weight; 3]>,
+    o: B::Weight,
+    post_norm: B::Weight,
+    /// Gate and up projections stacked: `[2 * ffn, hidden]`.
+    gate_up: B::Weight,
+    down: B::Weight,
+}
+
+/// Activation buffers, reused across steps.
+struct Scratch<B: Backend> {
+    x: B::Tensor,
+    h: B::Tensor,
+    q: B::Tensor,
+    k: B::Tensor,
+    v: B::Tensor,
+    attn: B::Tensor,
+    proj: B::Tensor,
+    gate_up: B::Tensor,
+    act: B::Tensor,
+    last: B::Tensor,
+    logits: B::Tensor,
+}
+
+/// One forward step's inputs: the new tokens of every scheduled sequence, concatenated.
+#[derive(Debug, Clone, Copy)]
+pub struct Batch<'a> {
+    pub tokens: &'a [u32],
+    /// Position of each token in its sequence.
+    pub positions: &'a [u32],
+    /// KV slot of each token (from the block table).
+    pub slots: &'a [u32],
+    pub seqs: &'a [AttnSeq<'a>],
+    /// Rows of `tokens` whose logits are wanted (usually each sequence's last).
+    pub logits_rows: &'a [u32],
+}
+
+/// A loaded model with its paged KV cache.
+pub struct Llama<B: Backend> {
+    backend: B,
+    config: ModelConfig,
+    dtype: DType,
+    embed: B::Weight,
+    lm_head: Option<B::Weight>,
+    norm: B::Weight,
+    layers: Vec<Layer<B>>,
+    rope: B::Rope,
+    k_cache: Vec<B::Cache>,
+    v_cache: Vec<B::Cache>,
+    shape: AttnShape,
+    scratch: Scratch<B>,
+}
+
+impl<B: Backend> std::fmt::Debug for Llama<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Llama")
+            .field("backend", &self.backend)
+            .field("config", &self.config)
+            .field("dtype", &self.dtype)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How to load a model.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    /// Storage type of the weights in memory.
+    pub dtype: DType,
+    /// Storage type of the KV cache.
+    pub kv_dtype: DType,
+    /// Device KV blocks.
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
+impl<B: Backend> Llama<B> {
+    /// Loads `dir` (config.json + safetensors) onto `backend`.
+    pub fn load(backend: B, dir: &Path, opts: LoadOptions) -> Result<Self, ModelError> {
+        let config = ModelConfig::load(dir)?;
+        let st = Safetensors::open(dir)?;
+        let c = &config;
+        let (hd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        let load = |name: &str, shape: &[usize], dtype: DType| -> Result<B::Weight, ModelError> {
+            let (data, got) = st.load(name, dtype)?;
+            if got != shape {
+                return Err(ModelError::Shape {
+                    name: name.to_owned(),
+                    got,
+                    want: shape.to_vec(),
+                });
+            }
+            let (rows, cols) = match *shape {
+                [n] => (1, n),
+                [r, c] => (r, c),
+                _ => unreachable!("weights are vectors or matrices"),
+            };
+            Ok(backend.weight(data, rows, cols))
+        };
+        let h = c.hidden_size;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            let qkv_bias = if c.attention_bias {
+                Some([
+                    load(&format!("{p}.self_attn.q_proj.bias"), &[hd], DType::F32)?,
+                    load(&format!("{p}.self_attn.k_proj.bias"), &[kvd], DType::F32)?,
+                    load(&format!("{p}.self_attn.v_proj.bias"), &[kvd], DType::F32)?,
+                ])
+            } else {
+                None
+            };
+            let gate_up = stack_rows(
+                st.load(&format!("{p}.mlp.gate_proj.weight"), opts.dtype)?,
+                st.load(&format!("{p}.mlp.up_proj.weight"), opts.dtype)?,
+                &[c.intermediate_size, h],
+                &p,
+            )?;
+            layers.push(Layer {
+                input_norm: load(&format!("{p}.input_layernorm.weight"), &[h], DType::F32)?,
+                q: load(&format!("{p}.self_attn.q_proj.weight"), &[hd, h], opts.dtype)?,
+                k: load(&format!("{p}.self_attn.k_proj.weight"), &[kvd, h], opts.dtype)?,
+                v: load(&format!("{p}.self_attn.v_proj.weight"), &[kvd, h], opts.dtype)?,
+                qkv_bias,
+                o: load(&format!("{p}.self_attn.o_proj.weight"), &[h, hd], opts.dtype)?,
+                post_norm: load(&format!("{p}.post_attention_layernorm.weight"), &[h], DType::F32)?,
+                gate_up: backend.weight(gate_up, 2 * c.intermediate_size, h),
+                down: load(&format!("{p}.mlp.down_proj.weight"), &[h, c.intermediate_size], opts.dtype)?,
+            });
+        }
+        let embed = load("model.embed_tokens.weight", &[c.vocab_size, h], opts.dtype)?;
+        let lm_head = if c.tie_word_embeddings || !st.contains("lm_head.weight") {
+            None
+        } else {
+            Some(load("lm_head.weight", &[c.vocab_size, h], opts.dtype)?)
+        };
+        let norm = load("model.norm.weight", &[h], DType::F32)?;
+        let rope = backend.rope(&RopeConfig {
+            theta: c.rope_theta,
+            head_dim: c.head_dim,
+            max_positions: c.max_position_embeddings,
+            llama3_scaling: c.rope_llama3.map(|s| Llama3RopeScaling {
+                factor: s.factor,
+                low_freq_factor: s.low_freq_factor,
+                high_freq_factor: s.high_freq_factor,
+                original_max_position_embeddings: s.original_max_position_embeddings,
+            }),
+        });
+        let shape = AttnShape {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            block_size: opts.block_size,
+        };
+        let k_cache = (0..c.num_layers)
+            .map(|_| backend.cache(opts.num_blocks, shape, opts.kv_dtype))
+            .collect();
+        let v_cache = (0..c.num_layers)
+            .map(|_| backend.cache(opts.num_blocks, shape, opts.kv_dtype))
+            .collect();
+        let scratch = Scratch {
+            x: backend.tensor(0, h),
+            h: backend.tensor(0, h),
+            q: backend.tensor(0, hd),
+            k: backend.tensor(0, kvd),
+            v: backend.tensor(0, kvd),
+            attn: backend.tensor(0, hd),
+            proj: backend.tensor(0, h),
+            gate_up: backend.tensor(0, 2 * c.intermediate_size),
+            act: backend.tensor(0, c.intermediate_size),
+            last: backend.tensor(0, h),
+            logits: backend.tensor(0, c.vocab_size),
+        };
+        Ok(Llama {
+            backend,
+            dtype: opts.dtype,
+            embed,
+            lm_head,
+            norm,
+            layers,
+            rope,
+            k_cache,
+            v_cache,
+            shape,
+            scratch,
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Runs one step and returns the logits of `batch.logits_rows`, row-major (`rows x vocab`).
+    pub fn forward(&mut self, batch: &Batch<'_>) -> Vec<f32> {
+        let n = batch.tokens.len();
+        let b = &self.backend;
+        let s = &mut self.scratch;
+        for t in [&mut s.x, &mut s.h, &mut s.q, &mut s.k, &mut s.v, &mut s.attn, &mut s.proj] {
+            b.resize_rows(t, n);
+        }
+        b.resize_rows(&mut s.gate_up, n);
+        b.resize_rows(&mut s.act, n);
+        let scale = 1.0 / (self.shape.head_dim as f32).sqrt();
+        let eps = self.config.rms_norm_eps;
+        b.embedding(&self.embed, batch.tokens, &mut s.x);
+        for (i, layer) in self.layers.iter().enumerate() {
+            b.rms_norm(&s.x, &layer.input_norm, eps, &mut s.h);
+            let bias = layer.qkv_bias.as_ref();
+            b.matmul(&s.h, &layer.q, bias.map(|x| &x[0]), &mut s.q);
+            b.matmul(&s.h, &layer.k, bias.map(|x| &x[1]), &mut s.k);
+            b.matmul(&s.h, &layer.v, bias.map(|x| &x[2]), &mut s.v);
+            b.apply_rope(&self.rope, &mut s.q, batch.positions);
+            b.apply_rope(&self.rope, &mut s.k, batch.positions);
+            b.reshape_and_cache(&s.k, &s.v, &mut self.k_cache[i], &mut self.v_cache[i], batch.slots);
+            b.paged_attention(&s.q, &self.k_cache[i], &self.v_cache[i], batch.seqs, scale, &mut s.attn);
+            b.matmul(&s.attn, &layer.o, None, &mut s.proj);
+            b.add_assign(&mut s.x, &s.proj);
+            b.rms_norm(&s.x, &layer.post_norm, eps, &mut s.h);
+            b.matmul(&s.h, &layer.gate_up, None, &mut s.gate_up);
+            b.silu_mul(&s.gate_up, &mut s.act);
+            b.matmul(&s.act, &layer.down, None, &mut s.proj);
+            b.add_assign(&mut s.x, &s.proj);
+        }
+        let rows = batch.logits_rows.len();
+        b.resize_rows(&mut s.last, rows);
+        b.resize_rows(&mut s.logits, rows);
+        b.gather_rows(&s.x, batch.logits_rows, &mut s.h);
+        b.rms_norm(&s.h, &self.norm, eps, &mut s.last);
+        b.matmul(&s.last, self.lm_head.as_ref().unwrap_or(&self.embed), None, &mut s.logits);
+        b.download(&s.logits)
+    }
+
+    /// Copy-on-write copies of one step, in every layer.
+    pub fn copy_blocks(&mut self, pairs: &[(u32, u32)]) {
+        if pairs.is_empty() {
+            return;
+        }
+        for cache in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
+            self.backend.copy_blocks(cache, pairs);
+        }
+    }
+}
+
+/// `[a; b]` for two weights of `shape` each (gate and up stacked into one matmul).
+fn stack_rows(
+    a: (WeightData, Vec<usize>),
+    b: (WeightData, Vec<usize>),
+    shape: &[usize],
+    layer: &str,
+) -> Result<WeightData, ModelError> {
+    for (which, got) in [("gate_proj", &a.1), ("up_proj", &b.1)] {
+        if got != shape {
+            return Err(ModelError::Shape {
+                name: format!("{layer}.mlp.{which}.weight"),
+                got: got.clone(),
+                want: shape.to_vec(),
+            });
+        }
+    }
+    Ok(match (a.0, b.0) {
+        (WeightData::F32(mut x), WeightData::F32(y)) => {
+            x.extend(y);
+            WeightData::F32(x)
+        }
+        (WeightData::F16(mut x), WeightData::F16(y)) => {
+            x.extend(y);
+            WeightData::F16(x)
+        }
+        (WeightData::BF16(mut x), WeightData::BF16(y)) => {
+            x.extend(y);
+            WeightData::BF16(x)
+        }
+        _ => unreachable!("both loaded in the same dtype"),
+    })
+}

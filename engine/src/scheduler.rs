@@ -1,0 +1,28 @@
+//! Continuous batching at iteration level over the paged KV cache.
+//!
+//! Each step the scheduler builds a [`StepPlan`] within a token budget (`max_batched_tokens`) and
+//! a sequence cap (`max_seqs`):
+//! 1. every running sequence gets the slot for its next token (decode), oldest group first; when
+//!    blocks run out, the lowest-priority, latest-arrived group is preempted whole, by recompute
+//!    (its full blocks stay cached, so the resume mostly hits) or by swap to host blocks;
+//! 2. swapped-out groups come back in arrival order while blocks allow;
+//! 3. prefills: unfinished chunked prefills first, then new groups, chosen across tenants by
+//!    weighted fair queuing (each tenant's served tokens divided by its weight) and FIFO within a
+//!    tenant. A tenant at its KV quota waits; other tenants go on. A prompt is cut into chunks that
+//!    fit what is left of the token budget.
+//!
+//! A group that could never fit, even alone in an empty pool or within its tenant's quota, is
+//! rejected at once instead of being preempted forever.
+//!
+//! Files: [`sequence`] (groups and sequences), [`fairness`] (tenant queues), [`plan`] (the step
+//! plan), [`core`] (the algorithm).
+
+mod core;
+pub mod fairness;
+pub mod plan;
+pub mod sequence;
+
+pub use self::core::{Scheduler, SchedulerConfig, SchedulerStats};
+pub use fairness::TenantId;
+pub use plan::{PreemptMode, StepItem, StepPlan};
+pub use sequence::{FinishReason, GroupId, SeqGroup, SeqStatus, Sequence};

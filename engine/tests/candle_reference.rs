@@ -1,0 +1,216 @@
+//! The CPU forward pass against candle-transformers' Llama (an independent implementation) on the
+//! same tiny random weights: logits within 1e-4 relative in f32, for every way the engine can
+//! reach a position: full prefill, token-by-token decode, a prefill chunked in three, a prefix
+//! shared with another sequence and scattered through the pool, and a fork after copy-on-write.
+//!
+//! candle runs token by token with its own contiguous KV cache, giving the reference logits at
+//! every position.
+
+mod common;
+
+use candle_core::{DType as CDType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::llama as cl;
+use common::tiny::{write_tiny_llama, TINY};
+use kvgate_engine::kv::{test_manager, KvCacheManager, SeqId};
+use kvgate_engine::model::{Batch, Llama, LoadOptions};
+use kvgate_kernels::{AttnSeq, Cpu, DType};
+use std::path::Path;
+
+const BS: u32 = 4;
+
+/// candle's logits after each token of `tokens` (one row per position).
+fn candle_logits(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let dev = Device::Cpu;
+    let cfg: cl::LlamaConfig =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let cfg = cfg.into_config(false);
+    // SAFETY (test): the file is not modified while mapped.
+    let vb = unsafe {
+        VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], CDType::F32, &dev)
+            .unwrap()
+    };
+    let model = cl::Llama::load(vb, &cfg).unwrap();
+    let mut cache = cl::Cache::new(true, CDType::F32, &cfg, &dev).unwrap();
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(pos, &t)| {
+            let input = Tensor::new(&[[t]], &dev).unwrap();
+            let logits = model.forward(&input, pos, &mut cache).unwrap();
+            logits.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        })
+        .collect()
+}
+
+struct Ours {
+    model: Llama<Cpu>,
+    kv: KvCacheManager,
+}
+
+impl Ours {
+    fn new(dir: &Path, num_blocks: u32) -> Self {
+        let model = Llama::load(
+            Cpu::new(),
+            dir,
+            LoadOptions {
+                dtype: DType::F32,
+                kv_dtype: DType::F32,
+                num_blocks: num_blocks as usize,
+                block_size: BS as usize,
+            },
+        )
+        .unwrap();
+        Ours {
+            model,
+            kv: test_manager(num_blocks, 0, BS),
+        }
+    }
+
+    /// Runs `chunk` (positions `start..`) of `seq`, whose slots are allocated; logits of every row.
+    fn run(&mut self, seq: SeqId, chunk: &[u32], start: usize) -> Vec<Vec<f32>> {
+        let table = self.kv.block_table(seq).unwrap();
+        let blocks: Vec<u32> = table.blocks().iter().map(|b| b.0).collect();
+        let positions: Vec<u32> = (start..start + chunk.len()).map(|p| p as u32).collect();
+        let slots: Vec<u32> = positions
+            .iter()
+            .map(|&p| table.slot(p as usize, BS as usize) as u32)
+            .collect();
+        let seqs = [AttnSeq {
+            query_start: 0,
+            query_len: chunk.len(),
+            context_len: start + chunk.len(),
+            block_table: &blocks,
+        }];
+        let rows: Vec<u32> = (0..chunk.len() as u32).collect();
+        let flat = self.model.forward(&Batch {
+            tokens: chunk,
+            positions: &positions,
+            slots: &slots,
+            seqs: &seqs,
+            logits_rows: &rows,
+        });
+        flat.chunks(TINY.vocab).map(<[f32]>::to_vec).collect()
+    }
+
+    /// Starts `seq` with `prompt`, computing all of it but the cached prefix in `chunks` pieces.
+    fn prefill(&mut self, seq: SeqId, prompt: &[u32], chunks: usize) -> (usize, Vec<Vec<f32>>) {
+        let scope = self.kv.scope("t");
+        let hashed = self.kv.hash_prompt(scope, prompt);
+        let cached = self.kv.start_sequence(seq, &hashed).unwrap();
+        let rest = &prompt[cached..];
+        let size = rest.len().div_ceil(chunks).max(1);
+        let mut out = Vec::new();
+        let mut pos = cached;
+        for chunk in rest.chunks(size) {
+            self.kv.append_slots(seq, chunk).unwrap();
+            out.extend(self.run(seq, chunk, pos));
+            pos += chunk.len();
+        }
+        (cached, out)
+    }
+
+    fn decode(&mut self, seq: SeqId, token: u32, pos: usize) -> Vec<f32> {
+        let out = self.kv.append_slots(seq, &[token]).unwrap();
+        if let Some((src, dst)) = out.cow {
+            self.model.copy_blocks(&[(src.0, dst.0)]);
+        }
+        self.run(seq, &[token], pos).remove(0)
+    }
+}
+
+fn assert_close(ours: &[f32], reference: &[f32], what: &str) {
+    assert_eq!(ours.len(), reference.len(), "{what}");
+    let scale = reference.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    for (i, (a, b)) in ours.iter().zip(reference).enumerate() {
+        let err = (a - b).abs() / scale;
+        assert!(err <= 1e-4, "{what}: logit {i}: ours {a}, candle {b} (rel {err:e})");
+    }
+}
+
+fn tokens(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + salt * 11 + 3) % TINY.vocab as u32).collect()
+}
+
+fn setup() -> (tempfile::TempDir, Vec<u32>, Vec<Vec<f32>>) {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_llama(dir.path(), &TINY, 7);
+    let seq = tokens(23, 1);
+    let reference = candle_logits(dir.path(), &seq);
+    (dir, seq, reference)
+}
+
+#[test]
+fn full_prefill_matches_candle() {
+    let (dir, seq, reference) = setup();
+    let mut ours = Ours::new(dir.path(), 32);
+    let (_, logits) = ours.prefill(SeqId(0), &seq, 1);
+    for (pos, (a, b)) in logits.iter().zip(&reference).enumerate() {
+        assert_close(a, b, &format!("prefill position {pos}"));
+    }
+}
+
+#[test]
+fn token_by_token_decode_matches_candle() {
+    let (dir, seq, reference) = setup();
+    let mut ours = Ours::new(dir.path(), 32);
+    let (_, first) = ours.prefill(SeqId(0), &seq[..1], 1);
+    assert_close(&first[0], &reference[0], "position 0");
+    for pos in 1..seq.len() {
+        let logits = ours.decode(SeqId(0), seq[pos], pos);
+        assert_close(&logits, &reference[pos], &format!("decode position {pos}"));
+    }
+}
+
+#[test]
+fn chunked_prefill_matches_candle() {
+    let (dir, seq, reference) = setup();
+    let mut ours = Ours::new(dir.path(), 32);
+    let (_, logits) = ours.prefill(SeqId(0), &seq, 3);
+    assert_eq!(logits.len(), seq.len());
+    for (pos, (a, b)) in logits.iter().zip(&reference).enumerate() {
+        assert_close(a, b, &format!("chunked position {pos}"));
+    }
+}
+
+#[test]
+fn shared_scattered_prefix_matches_candle() {
+    let (dir, seq, reference) = setup();
+    let mut ours = Ours::new(dir.path(), 64);
+    // Fragment the pool: unrelated sequences take blocks, some are freed, so the shared prefix
+    // and the new blocks land out of order.
+    for i in 0..6 {
+        ours.prefill(SeqId(100 + i), &tokens(9, 50 + i as u32), 1);
+    }
+    for i in [1, 3, 4] {
+        ours.kv.free(SeqId(100 + i)).unwrap();
+    }
+    let (_, _) = ours.prefill(SeqId(1), &seq[..14], 1);
+    let (cached, logits) = ours.prefill(SeqId(2), &seq, 1);
+    assert_eq!(cached, 12, "three full blocks of the first 14 tokens are shared");
+    let table = ours.kv.block_table(SeqId(2)).unwrap().blocks().to_vec();
+    assert!(table.windows(2).any(|w| w[1].0 != w[0].0 + 1), "blocks are scattered: {table:?}");
+    for (k, (a, b)) in logits.iter().zip(&reference[cached..]).enumerate() {
+        assert_close(a, b, &format!("shared-prefix position {}", cached + k));
+    }
+}
+
+#[test]
+fn fork_after_copy_on_write_matches_candle() {
+    let (dir, seq, reference) = setup();
+    // The child continues with other tokens: its own reference.
+    let mut child_seq = seq[..10].to_vec();
+    child_seq.extend(tokens(6, 9));
+    let child_ref = candle_logits(dir.path(), &child_seq);
+    let mut ours = Ours::new(dir.path(), 32);
+    ours.prefill(SeqId(0), &seq[..10], 1);
+    ours.kv.fork(SeqId(0), SeqId(1)).unwrap();
+    for pos in 10..16 {
+        let a = ours.decode(SeqId(0), seq[pos], pos);
+        assert_close(&a, &reference[pos], &format!("parent position {pos}"));
+        let b = ours.decode(SeqId(1), child_seq[pos], pos);
+        assert_close(&b, &child_ref[pos], &format!("child position {pos}"));
+    }
+    // The first write into the shared partial block (the parent's) copied it.
+    assert_eq!(ours.kv.counters().cow_copies, 1);
+}

@@ -1,0 +1,173 @@
+//! `out = x @ w^T (+ bias)`: x `[m, k]` f32 activations, w `[n, k]` weights in f32, f16 or bf16,
+//! f32 accumulation. Work is `m * n * k` multiply-adds; the weights are read once per call.
+//!
+//! Two algorithms, chosen by `m`:
+//! - **GEMV** (`m <= GEMV_MAX_ROWS`, decode): each output is a dot product of an x row and a w
+//!   row, 4 x rows by 4 w rows per register tile, w widened in registers. It streams the weights
+//!   exactly once, so it runs at memory bandwidth. Output columns are split across threads.
+//! - **GEMM** (prefill): Goto-style blocking. A `KC x NC` block of `w^T` is packed (widened to
+//!   f32 and transposed with 16x16 register transposes) into a per-thread buffer, then a
+//!   12 x 32 outer-product microkernel runs over it, broadcasting x values. Output column ranges
+//!   are split across threads.
+//!
+//! Both have AVX-512 versions (`avx512`) and a portable fallback (`portable`).
+
+mod avx512;
+mod portable;
+
+use rayon::prelude::*;
+
+use super::simd::{Elem, Isa};
+use super::tensor::{CpuTensor, CpuWeight, Store};
+use super::SharedOut;
+
+/// Up to this many rows, the GEMV path (weights streamed once, dot products) beats packing.
+pub const GEMV_MAX_ROWS: usize = 8;
+
+/// Below this many multiply-adds a matmul runs on the calling thread (threads cost microseconds).
+const PARALLEL_MIN_WORK: usize = 1 << 16;
+
+/// Shapes of one matmul: x `[m, k]`, w `[n, k]`, out `[m, n]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dims {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// `out = x @ w^T (+ bias)`; `out` is reshaped to `[m, n]`.
+pub(crate) fn matmul(
+    isa: Isa,
+    x: &CpuTensor,
+    w: &CpuWeight,
+    bias: Option<&CpuWeight>,
+    out: &mut CpuTensor,
+) {
+    let dims = Dims {
+        m: x.rows(),
+        n: w.rows,
+        k: x.cols(),
+    };
+    assert_eq!(
+        w.cols, dims.k,
+        "matmul: x has {} columns, w has {}",
+        dims.k, w.cols
+    );
+    out.set_shape(dims.m, dims.n);
+    let (xs, os) = (x.as_slice(), out.as_mut_slice());
+    match &w.store {
+        Store::F32(ws) => run(isa, xs, ws, dims, os),
+        Store::F16(ws) => run(isa, xs, ws, dims, os),
+        Store::BF16(ws) => run(isa, xs, ws, dims, os),
+    }
+    if let Some(b) = bias {
+        assert_eq!(
+            b.store.len(),
+            dims.n,
+            "matmul: bias length != output columns"
+        );
+        add_bias(&b.store, dims.n, out.as_mut_slice());
+    }
+}
+
+fn run<E: Elem>(isa: Isa, x: &[f32], w: &[E], d: Dims, out: &mut [f32]) {
+    if d.m == 0 || d.n == 0 {
+        return;
+    }
+    if d.k == 0 {
+        out.fill(0.0);
+        return;
+    }
+    let threads = if d.m * d.n * d.k < PARALLEL_MIN_WORK {
+        1
+    } else {
+        rayon::current_num_threads().max(1)
+    };
+    let gemv = d.m <= GEMV_MAX_ROWS;
+    let chunk = if gemv {
+        gemv_chunk(d.n, threads)
+    } else {
+        gemm_chunk(d.n, threads)
+    };
+    let ptr = SharedOut(out.as_mut_ptr());
+    let task = |c: usize| {
+        let n0 = c * chunk;
+        let n1 = (n0 + chunk).min(d.n);
+        // SAFETY: `out` has m * n elements; this task writes only columns n0..n1 of each row,
+        // and the chunks are disjoint.
+        unsafe { run_range(isa, gemv, x, w, d, n0, n1, ptr) }
+    };
+    let chunks = d.n.div_ceil(chunk);
+    if chunks == 1 {
+        task(0);
+    } else {
+        (0..chunks).into_par_iter().for_each(task);
+    }
+}
+
+/// Columns per task for the GEMV: one chunk per thread, a multiple of 4 rows of w.
+fn gemv_chunk(n: usize, threads: usize) -> usize {
+    n.div_ceil(threads).next_multiple_of(4).max(4)
+}
+
+/// Columns per task for the GEMM: a multiple of the 32-wide microkernel panel, at most about
+/// `NC_MAX` (so a packed `KC x NC` block stays in L2), with the task count a multiple of the
+/// thread count.
+fn gemm_chunk(n: usize, threads: usize) -> usize {
+    let per_thread = n.div_ceil(threads);
+    let rounds = per_thread.div_ceil(avx512::NC_MAX);
+    per_thread.div_ceil(rounds).next_multiple_of(32)
+}
+
+/// Computes columns `n0..n1` of `out`.
+///
+/// # Safety
+/// `out` must point to `m * n` writable f32s that no other thread writes in columns `n0..n1`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_range<E: Elem>(
+    isa: Isa,
+    gemv: bool,
+    x: &[f32],
+    w: &[E],
+    d: Dims,
+    n0: usize,
+    n1: usize,
+    out: SharedOut,
+) {
+    debug_assert!(x.len() >= d.m * d.k && w.len() >= d.n * d.k);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            if gemv {
+                // SAFETY: Isa::Avx512 is only chosen when the CPU has AVX-512F/FMA/F16C;
+                // slices cover the shapes (asserted above); out per the caller.
+                unsafe { avx512::gemv(x, w, d, n0, n1, out.0) }
+            } else {
+                // SAFETY: as above.
+                unsafe { avx512::gemm(x, w, d, n0, n1, out.0) }
+            }
+        }
+        _ => {
+            let _ = gemv;
+            // SAFETY: per the caller's contract.
+            unsafe { portable::matmul(x, w, d, n0, n1, out.0) }
+        }
+    }
+}
+
+/// Adds `bias` (length n) to every row of `out` (`[m, n]`).
+fn add_bias(bias: &Store, n: usize, out: &mut [f32]) {
+    match bias {
+        Store::F32(b) => add_rows(b, n, out),
+        Store::F16(b) => add_rows(b, n, out),
+        Store::BF16(b) => add_rows(b, n, out),
+    }
+}
+
+fn add_rows<E: Elem>(b: &[E], n: usize, out: &mut [f32]) {
+    for row in out.chunks_exact_mut(n) {
+        for (o, &bv) in row.iter_mut().zip(b) {
+            *o += bv.to_f32();
+        }
+    }
+}

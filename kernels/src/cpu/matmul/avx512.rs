@@ -1,0 +1,382 @@
+//! AVX-512 matmul kernels: a bandwidth-bound GEMV (dot-product register tiles, weights widened
+//! in registers) and a compute-bound GEMM (packed `w^T` blocks, 12 x 32 outer-product
+//! microkernel). See the parent module for when each runs.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+use super::Dims;
+use crate::cpu::simd::{load_partial, reduce16, Elem};
+
+/// Widest column block a GEMM task packs (`KC_TARGET x NC_MAX` f32 = 256 KiB, in L2).
+pub(super) const NC_MAX: usize = 256;
+/// Depth of a packed block: a 32-column panel of it (32 KiB) stays in L1 across x tiles.
+const KC_TARGET: usize = 256;
+/// Rows of x per microkernel call (24 accumulators + 2 panel vectors + 1 broadcast).
+const MR: usize = 12;
+/// GEMV software prefetch distance.
+const PREFETCH_BYTES: usize = 1024;
+/// Rows of x per L2 block.
+const MC: usize = 12 * MR;
+
+thread_local! {
+    /// Per-thread packing buffer, reused across calls.
+    static PACK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// GEMV: columns `n0..n1` of `out = x @ w^T` for small m.
+///
+/// # Safety
+/// The CPU must support AVX-512F, FMA and F16C; `x` holds `m * k` values, `w` holds `n * k`,
+/// and `out` points to `m * n` f32s of which this call may write columns `n0..n1`.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(super) unsafe fn gemv<E: Elem>(
+    x: &[f32],
+    w: &[E],
+    d: Dims,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+) {
+    let (xp, wp) = (x.as_ptr(), w.as_ptr());
+    let mut j = n0;
+    while j < n1 {
+        let nr = if n1 - j >= 4 { 4 } else { 1 };
+        let mut i = 0;
+        while i < d.m {
+            let mr = (d.m - i).min(4);
+            // SAFETY: rows i..i+mr of x and j..j+nr of w exist; out is valid per the caller.
+            unsafe {
+                let (xt, wt, ot) = (xp.add(i * d.k), wp.add(j * d.k), out.add(i * d.n + j));
+                match (mr, nr) {
+                    (4, 4) => dot_tile::<E, 4, 4>(xt, wt, d.k, ot, d.n),
+                    (3, 4) => dot_tile::<E, 3, 4>(xt, wt, d.k, ot, d.n),
+                    (2, 4) => dot_tile::<E, 2, 4>(xt, wt, d.k, ot, d.n),
+                    (1, 4) => dot_tile::<E, 1, 4>(xt, wt, d.k, ot, d.n),
+                    (4, _) => dot_tile::<E, 4, 1>(xt, wt, d.k, ot, d.n),
+                    (3, _) => dot_tile::<E, 3, 1>(xt, wt, d.k, ot, d.n),
+                    (2, _) => dot_tile::<E, 2, 1>(xt, wt, d.k, ot, d.n),
+                    _ => dot_tile::<E, 1, 1>(xt, wt, d.k, ot, d.n),
+                }
+            }
+            i += mr;
+        }
+        j += nr;
+    }
+}
+
+/// `out[r * ldo + c] = dot(x row r, w row c)` for an `R x C` tile; rows are `k` long.
+#[inline(always)]
+unsafe fn dot_tile<E: Elem, const R: usize, const C: usize>(
+    x: *const f32,
+    w: *const E,
+    k: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    // SAFETY (whole body): the caller guarantees R rows of x and C rows of w, each k long, an
+    // R x C output tile at `out` with row stride `ldo`, and AVX-512F/F16C.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
+        let mut wv = [_mm512_setzero_ps(); C];
+        let k16 = k & !15;
+        let mut p = 0;
+        // Prefetch this far ahead in each weight row (rows are contiguous, so running past a
+        // row's end fetches the start of the next tile): the hardware prefetcher alone leaves
+        // DRAM and L3 latency exposed at one or two cores.
+        let ahead = PREFETCH_BYTES / std::mem::size_of::<E>();
+        while p < k16 {
+            for (c, v) in wv.iter_mut().enumerate() {
+                let at = w.add(c * k + p);
+                if ahead > 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(ahead).cast());
+                }
+                *v = E::load16(at);
+            }
+            for (r, accr) in acc.iter_mut().enumerate() {
+                let xv = _mm512_loadu_ps(x.add(r * k + p));
+                for c in 0..C {
+                    accr[c] = _mm512_fmadd_ps(xv, wv[c], accr[c]);
+                }
+            }
+            p += 16;
+        }
+        if p < k {
+            let tail = k - p;
+            for (c, v) in wv.iter_mut().enumerate() {
+                *v = load_partial(w.add(c * k + p), tail);
+            }
+            for (r, accr) in acc.iter_mut().enumerate() {
+                let xv = load_partial(x.add(r * k + p), tail);
+                for c in 0..C {
+                    accr[c] = _mm512_fmadd_ps(xv, wv[c], accr[c]);
+                }
+            }
+        }
+        if R == 4 && C == 4 {
+            let mut all = [_mm512_setzero_ps(); 16];
+            for (i, v) in all.iter_mut().enumerate() {
+                *v = acc[i / 4][i % 4];
+            }
+            let s = reduce16(&all);
+            _mm_storeu_ps(out, _mm512_extractf32x4_ps::<0>(s));
+            _mm_storeu_ps(out.add(ldo), _mm512_extractf32x4_ps::<1>(s));
+            _mm_storeu_ps(out.add(2 * ldo), _mm512_extractf32x4_ps::<2>(s));
+            _mm_storeu_ps(out.add(3 * ldo), _mm512_extractf32x4_ps::<3>(s));
+        } else {
+            for (r, accr) in acc.iter().enumerate() {
+                for (c, &a) in accr.iter().enumerate() {
+                    *out.add(r * ldo + c) = _mm512_reduce_add_ps(a);
+                }
+            }
+        }
+    }
+}
+
+/// GEMM: columns `n0..n1` of `out = x @ w^T`, for many rows of x.
+///
+/// # Safety
+/// As for [`gemv`].
+pub(super) unsafe fn gemm<E: Elem>(
+    x: &[f32],
+    w: &[E],
+    d: Dims,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+) {
+    let kc_max = d.k.div_ceil(d.k.div_ceil(KC_TARGET)).next_multiple_of(16);
+    let panels = (n1 - n0).div_ceil(32);
+    // 16 spare floats let the packed block start on a 64-byte boundary.
+    let needed = panels * kc_max * 32 + 16;
+    PACK.with(|cell| {
+        let mut buf = cell.borrow_mut();
+        if buf.len() < needed {
+            buf.resize(needed, 0.0);
+        }
+        let start = buf.as_ptr().align_offset(64).min(16);
+        let block = &mut buf[start..start + needed - 16];
+        // SAFETY: forwarded from the caller; `block` holds panels * kc_max * 32 floats.
+        unsafe { gemm_packed(x, w, d, n0, n1, out, block, kc_max) }
+    });
+}
+
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_packed<E: Elem>(
+    x: &[f32],
+    w: &[E],
+    d: Dims,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    buf: &mut [f32],
+    kc_max: usize,
+) {
+    let panels = (n1 - n0).div_ceil(32);
+    let mut p0 = 0;
+    while p0 < d.k {
+        let kc = kc_max.min(d.k - p0);
+        // SAFETY: w has n * k values; buf has panels * kc_max * 32 >= panels * kc * 32.
+        unsafe { pack_block(w, d.k, n0, n1, p0, kc, buf.as_mut_ptr()) };
+        let mut i0 = 0;
+        while i0 < d.m {
+            let mc = MC.min(d.m - i0);
+            for q in 0..panels {
+                let j = n0 + q * 32;
+                let ncols = (n1 - j).min(32);
+                let mut i = i0;
+                while i < i0 + mc {
+                    let mr = (i0 + mc - i).min(MR);
+                    // SAFETY: rows i..i+mr of x exist (columns p0..p0+kc); panel q holds
+                    // kc x 32 packed values; the out tile is inside this task's columns.
+                    unsafe {
+                        let a = x.as_ptr().add(i * d.k + p0);
+                        let b = buf.as_ptr().add(q * kc * 32);
+                        let c = out.add(i * d.n + j);
+                        micro_dispatch(mr, a, d.k, b, kc, c, d.n, ncols, p0 == 0);
+                    }
+                    i += mr;
+                }
+            }
+            i0 += mc;
+        }
+        p0 += kc;
+    }
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn micro_dispatch(
+    mr: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    kc: usize,
+    c: *mut f32,
+    ldc: usize,
+    ncols: usize,
+    first: bool,
+) {
+    // SAFETY: forwarded from the caller, with mr rows.
+    unsafe {
+        match mr {
+            12 => micro::<12>(a, lda, b, kc, c, ldc, ncols, first),
+            11 => micro::<11>(a, lda, b, kc, c, ldc, ncols, first),
+            10 => micro::<10>(a, lda, b, kc, c, ldc, ncols, first),
+            9 => micro::<9>(a, lda, b, kc, c, ldc, ncols, first),
+            8 => micro::<8>(a, lda, b, kc, c, ldc, ncols, first),
+            7 => micro::<7>(a, lda, b, kc, c, ldc, ncols, first),
+            6 => micro::<6>(a, lda, b, kc, c, ldc, ncols, first),
+            5 => micro::<5>(a, lda, b, kc, c, ldc, ncols, first),
+            4 => micro::<4>(a, lda, b, kc, c, ldc, ncols, first),
+            3 => micro::<3>(a, lda, b, kc, c, ldc, ncols, first),
+            2 => micro::<2>(a, lda, b, kc, c, ldc, ncols, first),
+            _ => micro::<1>(a, lda, b, kc, c, ldc, ncols, first),
+        }
+    }
+}
+
+/// `C[R x ncols] (+)= A[R x kc] * B[kc x 32]`: A rows with stride `lda`, B a packed panel,
+/// C rows with stride `ldc`; `first` overwrites C instead of adding to it.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn micro<const R: usize>(
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    kc: usize,
+    c: *mut f32,
+    ldc: usize,
+    ncols: usize,
+    first: bool,
+) {
+    // SAFETY (whole body): the caller guarantees R rows of A (kc long), a kc x 32 panel at b,
+    // and R rows of C with ncols writable columns; masked loads and stores touch only those.
+    unsafe {
+        let mut acc0 = [_mm512_setzero_ps(); R];
+        let mut acc1 = [_mm512_setzero_ps(); R];
+        for p in 0..kc {
+            let b0 = _mm512_loadu_ps(b.add(p * 32));
+            let b1 = _mm512_loadu_ps(b.add(p * 32 + 16));
+            for r in 0..R {
+                let av = _mm512_set1_ps(*a.add(r * lda + p));
+                acc0[r] = _mm512_fmadd_ps(av, b0, acc0[r]);
+                acc1[r] = _mm512_fmadd_ps(av, b1, acc1[r]);
+            }
+        }
+        let m0: __mmask16 = if ncols >= 16 {
+            0xffff
+        } else {
+            (1u16 << ncols) - 1
+        };
+        let m1: __mmask16 = match ncols {
+            32.. => 0xffff,
+            17..=31 => (1u16 << (ncols - 16)) - 1,
+            _ => 0,
+        };
+        for r in 0..R {
+            let cr = c.add(r * ldc);
+            if !first {
+                acc0[r] = _mm512_add_ps(acc0[r], _mm512_maskz_loadu_ps(m0, cr));
+                acc1[r] = _mm512_add_ps(acc1[r], _mm512_maskz_loadu_ps(m1, cr.add(16)));
+            }
+            _mm512_mask_storeu_ps(cr, m0, acc0[r]);
+            _mm512_mask_storeu_ps(cr.add(16), m1, acc1[r]);
+        }
+    }
+}
+
+/// Packs `w[n0..n1, p0..p0+kc]^T` as f32 into 32-column panels: panel q holds
+/// `dst[q * kc * 32 + p * 32 + jj] = w[n0 + 32 q + jj, p0 + p]`, zero past `n1`.
+#[inline(always)]
+unsafe fn pack_block<E: Elem>(
+    w: &[E],
+    k: usize,
+    n0: usize,
+    n1: usize,
+    p0: usize,
+    kc: usize,
+    dst: *mut f32,
+) {
+    let panels = (n1 - n0).div_ceil(32);
+    // SAFETY: AVX-512F per the caller.
+    let mut rows = [unsafe { _mm512_setzero_ps() }; 16];
+    for q in 0..panels {
+        for half in 0..2 {
+            let j0 = n0 + q * 32 + half * 16;
+            let mut pc = 0;
+            while pc < kc {
+                let kk = (kc - pc).min(16);
+                for (i, row) in rows.iter_mut().enumerate() {
+                    let j = j0 + i;
+                    // SAFETY: row j < n exists and columns p0+pc..p0+pc+kk are inside it.
+                    *row = unsafe {
+                        match (j < n1, kk) {
+                            (false, _) => _mm512_setzero_ps(),
+                            (true, 16) => E::load16(w.as_ptr().add(j * k + p0 + pc)),
+                            (true, _) => load_partial(w.as_ptr().add(j * k + p0 + pc), kk),
+                        }
+                    };
+                }
+                // SAFETY: register shuffles; AVX-512F per the caller.
+                unsafe { transpose16(&mut rows) };
+                for (t, col) in rows.iter().enumerate().take(kk) {
+                    // SAFETY: panel q, row pc + t < kc, half `half`: inside the block.
+                    unsafe {
+                        let at = dst.add(q * kc * 32 + (pc + t) * 32 + half * 16);
+                        _mm512_storeu_ps(at, *col);
+                    }
+                }
+                pc += kk;
+            }
+        }
+    }
+}
+
+/// Index vectors for `transpose16`: at scale s, rows i and i + s (bit s of i clear) swap their
+/// off-diagonal s-blocks: `a'[l] = l & s == 0 ? a[l] : b[l - s]`,
+/// `b'[l] = l & s == 0 ? a[l + s] : b[l]` (indices >= 16 pick from b).
+static TRANSPOSE_IDX: [[[i32; 16]; 2]; 4] = {
+    let mut t = [[[0i32; 16]; 2]; 4];
+    let mut level = 0;
+    while level < 4 {
+        let s = 8 >> level;
+        let mut l = 0;
+        while l < 16 {
+            let (li, si) = (l as i32, s as i32);
+            if l & s == 0 {
+                t[level][0][l] = li;
+                t[level][1][l] = li + si;
+            } else {
+                t[level][0][l] = 16 + li - si;
+                t[level][1][l] = 16 + li;
+            }
+            l += 1;
+        }
+        level += 1;
+    }
+    t
+};
+
+/// Transposes a 16 x 16 f32 tile held as 16 row vectors (64 two-source permutes).
+#[inline(always)]
+unsafe fn transpose16(r: &mut [__m512; 16]) {
+    // SAFETY: register permutes and loads of the static index table; AVX-512F per the caller.
+    unsafe {
+        for (level, idx) in TRANSPOSE_IDX.iter().enumerate() {
+            let s = 8 >> level;
+            let ia = _mm512_loadu_si512(idx[0].as_ptr().cast());
+            let ib = _mm512_loadu_si512(idx[1].as_ptr().cast());
+            for i in 0..16 {
+                if i & s == 0 {
+                    let (a, b) = (r[i], r[i + s]);
+                    r[i] = _mm512_permutex2var_ps(a, ia, b);
+                    r[i + s] = _mm512_permutex2var_ps(a, ib, b);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,249 @@
+//! SIMD building blocks shared by the kernels: which instruction set to use ([`Isa`], detected
+//! once at run time), the storage element types ([`Elem`]: f32, f16, bf16, each widened to f32),
+//! and AVX-512 helpers (a vectorized `exp`, and a transposing 16-way horizontal sum).
+//!
+//! Everything AVX-512 here is `#[inline(always)]` and only called from functions compiled with
+//! `#[target_feature(enable = "avx512f,...")]`, so it inlines into those and never runs on a CPU
+//! without the feature (the callers check [`Isa`] first).
+
+use half::{bf16, f16};
+
+/// The instruction set the kernels use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust loops (auto-vectorized for the build target).
+    Portable,
+    /// AVX-512F with FMA and F16C (Skylake-SP and later, Zen 4 and later).
+    Avx512,
+}
+
+impl Isa {
+    /// The best instruction set this CPU supports.
+    pub fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
+                return Isa::Avx512;
+            }
+        }
+        Isa::Portable
+    }
+}
+
+/// A storage element type: f32, f16 or bf16.
+pub trait Elem: Copy + Send + Sync + 'static {
+    /// Widens one value.
+    fn to_f32(self) -> f32;
+
+    /// Loads 16 consecutive values widened to f32.
+    ///
+    /// # Safety
+    /// `p..p + 16` must be readable, and the CPU must support AVX-512F and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller guarantees 16 readable values and AVX-512F.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    }
+}
+
+impl Elem for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees 32 readable bytes and AVX-512F (vcvtph2ps zmm).
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+}
+
+impl Elem for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees 32 readable bytes and AVX-512F. bf16 is the top half of
+        // an f32, so zero-extending to 32 bits and shifting left by 16 widens it exactly.
+        unsafe {
+            let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide))
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub use x86::*;
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Loads `n < 16` values widened to f32, zero-filling the other lanes.
+    ///
+    /// # Safety
+    /// `p..p + n` must be readable and the CPU must support AVX-512F and F16C.
+    #[inline(always)]
+    pub unsafe fn load_partial<E: super::Elem>(p: *const E, n: usize) -> __m512 {
+        debug_assert!(n <= 16);
+        let mut buf = [0.0f32; 16];
+        for (i, b) in buf.iter_mut().enumerate().take(n) {
+            // SAFETY: i < n, and the caller guarantees n readable values.
+            *b = unsafe { *p.add(i) }.to_f32();
+        }
+        // SAFETY: buf holds 16 values; AVX-512F per the caller.
+        unsafe { _mm512_loadu_ps(buf.as_ptr()) }
+    }
+
+    /// `e^x` per lane, Cephes' single-precision polynomial (max relative error about 2e-7).
+    /// Lanes below -87.3 flush to 0; lanes of -inf give 0.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F.
+    #[inline(always)]
+    pub unsafe fn exp512(x: __m512) -> __m512 {
+        // SAFETY: register-only AVX-512F arithmetic; the caller guarantees the feature.
+        unsafe {
+            let lo = _mm512_set1_ps(-87.336_55);
+            let hi = _mm512_set1_ps(88.376_26);
+            let underflow = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, lo);
+            let x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+            // n = round(x / ln 2); r = x - n ln 2 (in two parts for precision).
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+            );
+            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+            let mut p = _mm512_set1_ps(1.987_569_1e-4);
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.398_2e-3));
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.333_452e-3));
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166_579_6e-2));
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166_666_65));
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5));
+            let r2 = _mm512_mul_ps(r, r);
+            let y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
+            let y = _mm512_scalef_ps(y, n);
+            _mm512_mask_mov_ps(y, underflow, _mm512_setzero_ps())
+        }
+    }
+
+    /// Horizontal sums of 16 vectors at once: lane `i` of the result is the sum of `v[i]`'s
+    /// lanes. About 45 shuffles and adds, against about 130 for 16 separate reductions.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F.
+    #[inline(always)]
+    pub unsafe fn reduce16(v: &[__m512; 16]) -> __m512 {
+        // SAFETY: register-only AVX-512F shuffles and adds; the caller guarantees the feature.
+        unsafe {
+            // Each level halves the vector count: pair a (even sources) with b (odd sources) so
+            // that half of every output holds a's partial sums and half holds b's.
+            // Level 1: 256-bit halves. w[i] = [v[2i] partial (8 lanes) | v[2i+1] partial].
+            let mut w = [_mm512_setzero_ps(); 8];
+            for i in 0..8 {
+                let (a, b) = (v[2 * i], v[2 * i + 1]);
+                let lo = _mm512_shuffle_f32x4::<0b0100_0100>(a, b); // a0 a1 b0 b1
+                let hi = _mm512_shuffle_f32x4::<0b1110_1110>(a, b); // a2 a3 b2 b3
+                w[i] = _mm512_add_ps(lo, hi);
+            }
+            // Level 2: 128-bit lanes. x[i] = [w[2i].a, w[2i+1].a, w[2i].b, w[2i+1].b] partials.
+            let mut x = [_mm512_setzero_ps(); 4];
+            for i in 0..4 {
+                let (a, b) = (w[2 * i], w[2 * i + 1]);
+                let lo = _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b); // a0 a2 b0 b2
+                let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b); // a1 a3 b1 b3
+                x[i] = _mm512_add_ps(lo, hi);
+            }
+            // Level 3: pairs of floats inside each 128-bit lane.
+            let mut y = [_mm512_setzero_ps(); 2];
+            for i in 0..2 {
+                let (a, b) = (x[2 * i], x[2 * i + 1]);
+                let lo = _mm512_shuffle_ps::<0b01_00_01_00>(a, b); // a0 a1 b0 b1
+                let hi = _mm512_shuffle_ps::<0b11_10_11_10>(a, b); // a2 a3 b2 b3
+                y[i] = _mm512_add_ps(lo, hi);
+            }
+            // Level 4: single floats.
+            let lo = _mm512_shuffle_ps::<0b10_00_10_00>(y[0], y[1]); // a0 a2 b0 b2
+            let hi = _mm512_shuffle_ps::<0b11_01_11_01>(y[0], y[1]); // a1 a3 b1 b3
+            let z = _mm512_add_ps(lo, hi);
+            // The levels leave source i in lane PERM[i]; gather them back in order.
+            let idx = _mm512_loadu_si512(REDUCE16_ORDER.as_ptr().cast());
+            _mm512_permutexvar_ps(idx, z)
+        }
+    }
+
+    /// Lane of `reduce16`'s shuffled result that holds source `i`: the levels leave source
+    /// `4f + u` in lane `4u + f` (a 4x4 transpose); checked by the unit test below.
+    static REDUCE16_ORDER: [i32; 16] = [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15];
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn reduce16_sums_each_vector_in_order() {
+            if super::super::Isa::detect() != super::super::Isa::Avx512 {
+                return;
+            }
+            let vals: Vec<[f32; 16]> = (0..16)
+                .map(|i| std::array::from_fn(|l| (i * 100 + l) as f32 * 0.5))
+                .collect();
+            // SAFETY: AVX-512F was detected above; each array holds 16 values.
+            let got: [f32; 16] = unsafe {
+                let v: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(vals[i].as_ptr()));
+                std::mem::transmute(reduce16(&v))
+            };
+            for (i, row) in vals.iter().enumerate() {
+                let want: f32 = row.iter().sum();
+                assert_eq!(got[i], want, "lane {i}");
+            }
+        }
+
+        #[test]
+        fn exp512_matches_std() {
+            if super::super::Isa::detect() != super::super::Isa::Avx512 {
+                return;
+            }
+            let xs: Vec<f32> = (0..4096).map(|i| -100.0 + i as f32 * 0.0458).collect();
+            for chunk in xs.chunks_exact(16) {
+                // SAFETY: AVX-512F detected; chunk has 16 values.
+                let got: [f32; 16] =
+                    unsafe { std::mem::transmute(exp512(_mm512_loadu_ps(chunk.as_ptr()))) };
+                for (x, g) in chunk.iter().zip(got) {
+                    let want = x.exp();
+                    let tol = 4e-7 * want + f32::MIN_POSITIVE * 4.0;
+                    assert!(
+                        (g - want).abs() <= tol.max(1e-37),
+                        "exp({x}) = {g}, want {want}"
+                    );
+                }
+            }
+            // SAFETY: AVX-512F detected.
+            let z: [f32; 16] =
+                unsafe { std::mem::transmute(exp512(_mm512_set1_ps(f32::NEG_INFINITY))) };
+            assert!(z.iter().all(|&v| v == 0.0));
+        }
+    }
+}

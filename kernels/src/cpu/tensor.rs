@@ -1,0 +1,263 @@
+//! Host storage for the CPU backend: activations ([`CpuTensor`]), weights ([`CpuWeight`]) and
+//! paged KV pools ([`CpuCache`]).
+//!
+//! Activations are always f32; weights and caches keep their storage type ([`Store`]) and are
+//! widened to f32 inside the kernels, one SIMD register at a time. Buffers are plain `Vec`s that
+//! keep their capacity when a tensor is reshaped, so a forward pass that reuses its out-params
+//! allocates only while batch sizes grow.
+
+use half::{bf16, f16};
+
+use crate::backend::{AttnShape, DType, WeightData};
+
+/// An f32 row-major matrix `[rows, cols]`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CpuTensor {
+    data: Vec<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+impl CpuTensor {
+    /// A zeroed `[rows, cols]` matrix.
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        CpuTensor {
+            data: vec![0.0; rows * cols],
+            rows,
+            cols,
+        }
+    }
+
+    /// Wraps `data` (`rows * cols` values, row-major).
+    pub fn from_vec(data: Vec<f32>, rows: usize, cols: usize) -> Self {
+        assert_eq!(data.len(), rows * cols, "tensor data length != rows * cols");
+        CpuTensor { data, rows, cols }
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Number of columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The values, row-major.
+    pub fn as_slice(&self) -> &[f32] {
+        &self.data
+    }
+
+    /// The values, row-major, mutable.
+    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
+
+    /// Row `i`.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.cols..(i + 1) * self.cols]
+    }
+
+    /// Gives the tensor shape `[rows, cols]`, keeping the allocation when it is large enough.
+    /// Contents are unspecified afterwards (kernels overwrite every value).
+    pub fn set_shape(&mut self, rows: usize, cols: usize) {
+        self.data.resize(rows * cols, 0.0);
+        self.rows = rows;
+        self.cols = cols;
+    }
+}
+
+/// Values in one of the storage types.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Store {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+}
+
+impl Store {
+    /// A zeroed store of `len` values.
+    pub fn zeros(dtype: DType, len: usize) -> Self {
+        match dtype {
+            DType::F32 => Store::F32(vec![0.0; len]),
+            DType::F16 => Store::F16(vec![f16::ZERO; len]),
+            DType::BF16 => Store::BF16(vec![bf16::ZERO; len]),
+        }
+    }
+
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        match self {
+            Store::F32(v) => v.len(),
+            Store::F16(v) => v.len(),
+            Store::BF16(v) => v.len(),
+        }
+    }
+
+    /// Whether there are no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The storage type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Store::F32(_) => DType::F32,
+            Store::F16(_) => DType::F16,
+            Store::BF16(_) => DType::BF16,
+        }
+    }
+
+    /// Widens `self[start..start + out.len()]` into `out`.
+    pub fn read_f32(&self, start: usize, out: &mut [f32]) {
+        let end = start + out.len();
+        match self {
+            Store::F32(v) => out.copy_from_slice(&v[start..end]),
+            Store::F16(v) => {
+                use half::slice::HalfFloatSliceExt;
+                v[start..end].convert_to_f32_slice(out)
+            }
+            Store::BF16(v) => {
+                use half::slice::HalfFloatSliceExt;
+                v[start..end].convert_to_f32_slice(out)
+            }
+        }
+    }
+
+    /// Narrows `src` into `self[start..start + src.len()]` (round to nearest even).
+    pub fn write_f32(&mut self, start: usize, src: &[f32]) {
+        let end = start + src.len();
+        match self {
+            Store::F32(v) => v[start..end].copy_from_slice(src),
+            Store::F16(v) => {
+                use half::slice::HalfFloatSliceExt;
+                v[start..end].convert_from_f32_slice(src)
+            }
+            Store::BF16(v) => {
+                use half::slice::HalfFloatSliceExt;
+                v[start..end].convert_from_f32_slice(src)
+            }
+        }
+    }
+
+    /// Copies `len` values from `src_start` to `dst_start` (ranges may not overlap in meaning:
+    /// they are whole blocks).
+    pub fn copy_within(&mut self, src_start: usize, dst_start: usize, len: usize) {
+        match self {
+            Store::F32(v) => v.copy_within(src_start..src_start + len, dst_start),
+            Store::F16(v) => v.copy_within(src_start..src_start + len, dst_start),
+            Store::BF16(v) => v.copy_within(src_start..src_start + len, dst_start),
+        }
+    }
+}
+
+impl From<WeightData> for Store {
+    fn from(data: WeightData) -> Self {
+        match data {
+            WeightData::F32(v) => Store::F32(v),
+            WeightData::F16(v) => Store::F16(v),
+            WeightData::BF16(v) => Store::BF16(v),
+        }
+    }
+}
+
+/// A weight matrix `[rows, cols]` (a vector has one row) in its storage type.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuWeight {
+    pub(crate) store: Store,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+}
+
+impl CpuWeight {
+    /// Wraps `data` as a `[rows, cols]` matrix.
+    pub fn new(data: WeightData, rows: usize, cols: usize) -> Self {
+        assert_eq!(data.len(), rows * cols, "weight data length != rows * cols");
+        CpuWeight {
+            store: data.into(),
+            rows,
+            cols,
+        }
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Number of columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Storage type.
+    pub fn dtype(&self) -> DType {
+        self.store.dtype()
+    }
+
+    /// The stored values.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Bytes of weight data (what a GEMV streams from memory).
+    pub fn size_bytes(&self) -> usize {
+        self.store.len() * self.dtype().size_bytes()
+    }
+}
+
+/// One layer's paged K or V pool: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuCache {
+    pub(crate) store: Store,
+    pub(crate) num_blocks: usize,
+    pub(crate) shape: AttnShape,
+}
+
+impl CpuCache {
+    /// A zeroed pool of `num_blocks` blocks.
+    pub fn new(num_blocks: usize, shape: AttnShape, dtype: DType) -> Self {
+        let len = num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim;
+        CpuCache {
+            store: Store::zeros(dtype, len),
+            num_blocks,
+            shape,
+        }
+    }
+
+    /// Number of blocks.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Attention shape the pool was made for.
+    pub fn shape(&self) -> AttnShape {
+        self.shape
+    }
+
+    /// Storage type.
+    pub fn dtype(&self) -> DType {
+        self.store.dtype()
+    }
+
+    /// Values in one slot (`block * block_size + offset`): `num_kv_heads * head_dim`.
+    pub fn slot_len(&self) -> usize {
+        self.shape.num_kv_heads * self.shape.head_dim
+    }
+
+    /// Values in one block.
+    pub fn block_len(&self) -> usize {
+        self.shape.block_size * self.slot_len()
+    }
+
+    /// The stored values.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Reads one slot as f32 (`out.len() == slot_len()`), e.g. for tests and debugging.
+    pub fn read_slot(&self, slot: usize, out: &mut [f32]) {
+        self.store.read_f32(slot * self.slot_len(), out);
+    }
+}

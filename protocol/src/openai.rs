@@ -1,0 +1,54 @@
+//! OpenAI-compatible wire types: requests, their validation, responses, streaming chunks and
+//! errors. Serde only; no IO.
+//!
+//! The path of a request: the server reads the body, [`CompletionRequest::parse`] (or
+//! [`ChatCompletionRequest::parse`]) turns it into the request as sent, `validate` checks every
+//! field against the server's [`Limits`] and yields a [`CompletionInput`] / [`ChatInput`] whose
+//! [`SamplingParams`] drive the engine's sampler. After tokenizing,
+//! [`SamplingParams::max_tokens_for`] checks the context. Any failure is an [`ApiError`], which
+//! serializes exactly as OpenAI's `{"error":{"message","type","code","param"}}`.
+//!
+//! - [`params`]: normalized sampling parameters and their shared validation.
+//! - [`completion`], [`chat`]: the two request types.
+//! - [`response`]: full responses, usage (always with `prompt_tokens_details.cached_tokens`),
+//!   logprobs, the model list.
+//! - [`stream`]: SSE chunks and framing.
+//! - [`error`]: errors with stable codes.
+
+pub mod chat;
+pub mod completion;
+pub mod error;
+pub mod params;
+pub mod response;
+pub mod stream;
+
+pub use chat::{ChatCompletionRequest, ChatInput, ContentPart, MessageContent, RequestMessage};
+pub use completion::{CompletionInput, CompletionRequest, Prompt, PromptInput};
+pub use error::{ApiError, ErrorBody, ErrorCode, ErrorObject};
+pub use params::{Limits, SamplingParams, Stop, StreamOptions, MAX_LOGPROBS};
+pub use response::{
+    AssistantMessage, ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
+    CompletionChoice, CompletionLogprobs, CompletionResponse, FinishReason, ModelCard, ModelList,
+    PromptTokensDetails, TopLogprob, TopLogprobMap, Usage,
+};
+pub use stream::{
+    sse_event, ChatChunkChoice, ChatCompletionChunk, CompletionChunk, Delta, SSE_DONE,
+};
+
+/// Request fields a client may not set, because they pick the prefix-cache scope: the gateway
+/// removes them before forwarding and injects the tenant's own scope out of band.
+pub const CLIENT_SCOPE_FIELDS: [&str; 2] = ["cache_salt", "cache_scope"];
+
+/// Removes [`CLIENT_SCOPE_FIELDS`] from a request body object; returns whether any was present.
+/// For proxies that forward the body as JSON rather than re-serializing a typed request (which
+/// drops them anyway, as unknown fields).
+pub fn strip_client_scope(body: &mut serde_json::Value) -> bool {
+    let Some(obj) = body.as_object_mut() else {
+        return false;
+    };
+    let mut removed = false;
+    for field in CLIENT_SCOPE_FIELDS {
+        removed |= obj.remove(field).is_some();
+    }
+    removed
+}
