@@ -76,6 +76,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             dtype: args.dtype.into(),
             kv_dtype: DType::F32,
             num_blocks: args.kv_blocks as usize,
+            num_host_blocks: 0,
             block_size,
         },
     )

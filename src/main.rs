@@ -1,6 +1,7 @@
 //! `kvgate`: the one binary. Each subcommand wires the library crates together.
 
 mod assets;
+mod engine_cmd;
 mod generate_cmd;
 mod model_cmd;
 mod sim_cmd;
@@ -21,6 +22,10 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Run one engine instance (OpenAI API, metrics, admin, KV events).
+    Engine(engine_cmd::EngineArgs),
+    /// Run kvgate on this machine with the default model, zero configuration.
+    Serve(engine_cmd::ServeArgs),
     /// Generate text for one prompt through the engine path (block manager, paged attention).
     Generate(generate_cmd::GenerateArgs),
     /// Fetch the default model or import a GGUF file.
@@ -33,6 +38,8 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Engine(args) => engine_cmd::engine(args),
+        Command::Serve(args) => engine_cmd::serve(args),
         Command::Generate(args) => generate_cmd::run(args),
         Command::Model(cmd) => model_cmd::run(cmd),
         Command::Sim(args) => sim_cmd::run(args),

@@ -7,4 +7,6 @@ pub mod kv;
 pub mod model;
 pub mod sampling;
 pub mod scheduler;
+pub mod server;
 pub mod sim;
+pub mod worker;

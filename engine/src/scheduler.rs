@@ -22,7 +22,7 @@ pub mod fairness;
 pub mod plan;
 pub mod sequence;
 
-pub use self::core::{Scheduler, SchedulerConfig, SchedulerStats};
+pub use self::core::{NewGroup, Scheduler, SchedulerConfig, SchedulerStats};
 pub use fairness::TenantId;
 pub use plan::{PreemptMode, StepItem, StepPlan};
 pub use sequence::{FinishReason, GroupId, SeqGroup, SeqStatus, Sequence};

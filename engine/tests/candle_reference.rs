@@ -57,6 +57,7 @@ impl Ours {
                 dtype: DType::F32,
                 kv_dtype: DType::F32,
                 num_blocks: num_blocks as usize,
+                num_host_blocks: 0,
                 block_size: BS as usize,
             },
         )

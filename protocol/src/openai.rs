@@ -8,7 +8,8 @@
 //! [`SamplingParams::max_tokens_for`] checks the context. Any failure is an [`ApiError`], which
 //! serializes exactly as OpenAI's `{"error":{"message","type","code","param"}}`.
 //!
-//! - [`params`]: normalized sampling parameters and their shared validation.
+//! - [`params`]: normalized sampling parameters (validated in `validate.rs`, shared by both
+//!   request types).
 //! - [`completion`], [`chat`]: the two request types.
 //! - [`response`]: full responses, usage (always with `prompt_tokens_details.cached_tokens`),
 //!   logprobs, the model list.
@@ -21,6 +22,7 @@ pub mod error;
 pub mod params;
 pub mod response;
 pub mod stream;
+mod validate;
 
 pub use chat::{ChatCompletionRequest, ChatInput, ContentPart, MessageContent, RequestMessage};
 pub use completion::{CompletionInput, CompletionRequest, Prompt, PromptInput};
@@ -34,6 +36,7 @@ pub use response::{
 pub use stream::{
     sse_event, ChatChunkChoice, ChatCompletionChunk, CompletionChunk, Delta, SSE_DONE,
 };
+pub use validate::GREEDY_EPSILON;
 
 /// Request fields a client may not set, because they pick the prefix-cache scope: the gateway
 /// removes them before forwarding and injects the tenant's own scope out of band.

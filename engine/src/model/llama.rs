@@ -71,6 +71,9 @@ pub struct Llama<B: Backend> {
     rope: B::Rope,
     k_cache: Vec<B::Cache>,
     v_cache: Vec<B::Cache>,
+    /// Host (swap) pools, one K and one V per layer.
+    k_host: Vec<B::Cache>,
+    v_host: Vec<B::Cache>,
     shape: AttnShape,
     scratch: Scratch<B>,
 }
@@ -94,6 +97,8 @@ pub struct LoadOptions {
     pub kv_dtype: DType,
     /// Device KV blocks.
     pub num_blocks: usize,
+    /// Host blocks for swapped-out sequences.
+    pub num_host_blocks: usize,
     pub block_size: usize,
 }
 
@@ -181,6 +186,9 @@ impl<B: Backend> Llama<B> {
         let v_cache = (0..c.num_layers)
             .map(|_| backend.cache(opts.num_blocks, shape, opts.kv_dtype))
             .collect();
+        let host = |_| backend.cache(opts.num_host_blocks, shape, opts.kv_dtype);
+        let k_host = (0..c.num_layers).map(host).collect();
+        let v_host = (0..c.num_layers).map(host).collect();
         let scratch = Scratch {
             x: backend.tensor(0, h),
             h: backend.tensor(0, h),
@@ -204,6 +212,8 @@ impl<B: Backend> Llama<B> {
             rope,
             k_cache,
             v_cache,
+            k_host,
+            v_host,
             shape,
             scratch,
             config,
@@ -265,6 +275,34 @@ impl<B: Backend> Llama<B> {
         }
         for cache in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
             self.backend.copy_blocks(cache, pairs);
+        }
+    }
+}
+
+impl<B: Backend> Llama<B> {
+    /// Copies device blocks to host blocks (`(device, host)` pairs), every layer.
+    pub fn swap_out(&mut self, pairs: &[(u32, u32)]) {
+        if pairs.is_empty() {
+            return;
+        }
+        for (dev, host) in self.k_cache.iter().zip(self.k_host.iter_mut()) {
+            self.backend.transfer_blocks(dev, host, pairs);
+        }
+        for (dev, host) in self.v_cache.iter().zip(self.v_host.iter_mut()) {
+            self.backend.transfer_blocks(dev, host, pairs);
+        }
+    }
+
+    /// Copies host blocks back to device blocks (`(host, device)` pairs), every layer.
+    pub fn swap_in(&mut self, pairs: &[(u32, u32)]) {
+        if pairs.is_empty() {
+            return;
+        }
+        for (host, dev) in self.k_host.iter().zip(self.k_cache.iter_mut()) {
+            self.backend.transfer_blocks(host, dev, pairs);
+        }
+        for (host, dev) in self.v_host.iter().zip(self.v_cache.iter_mut()) {
+            self.backend.transfer_blocks(host, dev, pairs);
         }
     }
 }

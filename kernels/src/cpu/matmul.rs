@@ -24,6 +24,9 @@ use super::SharedOut;
 /// Up to this many rows, the GEMV path (weights streamed once, dot products) beats packing.
 pub const GEMV_MAX_ROWS: usize = 8;
 
+/// Weight bytes per GEMV task, beyond one task per thread.
+const GEMV_TASK_BYTES: usize = 1 << 20;
+
 /// Below this many multiply-adds a matmul runs on the calling thread (threads cost microseconds).
 const PARALLEL_MIN_WORK: usize = 1 << 16;
 
@@ -83,9 +86,9 @@ fn run<E: Elem>(isa: Isa, x: &[f32], w: &[E], d: Dims, out: &mut [f32]) {
     } else {
         rayon::current_num_threads().max(1)
     };
-    let gemv = d.m <= GEMV_MAX_ROWS;
+    let gemv = d.m <= tmp_gemv_max();
     let chunk = if gemv {
-        gemv_chunk(d.n, threads)
+        gemv_chunk(d.n, d.k, std::mem::size_of::<E>(), threads)
     } else {
         gemm_chunk(d.n, threads)
     };
@@ -105,9 +108,13 @@ fn run<E: Elem>(isa: Isa, x: &[f32], w: &[E], d: Dims, out: &mut [f32]) {
     }
 }
 
-/// Columns per task for the GEMV: one chunk per thread, a multiple of 4 rows of w.
-fn gemv_chunk(n: usize, threads: usize) -> usize {
-    n.div_ceil(threads).next_multiple_of(4).max(4)
+/// Columns per task for the GEMV, a multiple of 8 rows of w: one task per thread, and for large
+/// matrices up to four per thread, of at least `GEMV_TASK_BYTES` each, so a thread that is
+/// descheduled for a while (a busy machine) does not hold up the whole call.
+fn gemv_chunk(n: usize, k: usize, elem_bytes: usize, threads: usize) -> usize {
+    let per_thread = (n * k * elem_bytes / (GEMV_TASK_BYTES * threads)).clamp(1, 4);
+    let tasks = per_thread * threads;
+    n.div_ceil(tasks).next_multiple_of(8).max(8)
 }
 
 /// Columns per task for the GEMM: a multiple of the 32-wide microkernel panel, at most about
@@ -170,4 +177,9 @@ fn add_rows<E: Elem>(b: &[E], n: usize, out: &mut [f32]) {
             *o += bv.to_f32();
         }
     }
+}
+
+fn tmp_gemv_max() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("KVG_GEMV_MAX").ok().and_then(|v| v.parse().ok()).unwrap_or(GEMV_MAX_ROWS))
 }

@@ -7,7 +7,8 @@
 //! question than the one asked. O(body) to parse and validate.
 
 use super::error::ApiError;
-use super::params::{Limits, RawSampling, SamplingParams, Stop, StreamOptions};
+use super::params::{Limits, SamplingParams, Stop, StreamOptions};
+use super::validate::RawSampling;
 use crate::prompt::ChatMessage;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

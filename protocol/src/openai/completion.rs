@@ -6,7 +6,8 @@
 //! one prompt here). Parsing is O(body); validation O(prompt + stop strings).
 
 use super::error::ApiError;
-use super::params::{Limits, RawSampling, SamplingParams, Stop, StreamOptions};
+use super::params::{Limits, SamplingParams, Stop, StreamOptions};
+use super::validate::RawSampling;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

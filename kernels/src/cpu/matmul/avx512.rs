@@ -42,7 +42,14 @@ pub(super) unsafe fn gemv<E: Elem>(
 ) {
     let (xp, wp) = (x.as_ptr(), w.as_ptr());
     let mut j = n0;
+    let wide = d.m == 1 && tmp_nr8();
     while j < n1 {
+        if wide && n1 - j >= 8 {
+            // SAFETY: row 0 of x and rows j..j+8 of w exist; out is valid per the caller.
+            unsafe { dot_tile::<E, 1, 8>(xp, wp.add(j * d.k), d.k, out.add(j), d.n) };
+            j += 8;
+            continue;
+        }
         let nr = if n1 - j >= 4 { 4 } else { 1 };
         let mut i = 0;
         while i < d.m {
@@ -86,7 +93,7 @@ unsafe fn dot_tile<E: Elem, const R: usize, const C: usize>(
         // Prefetch this far ahead in each weight row (rows are contiguous, so running past a
         // row's end fetches the start of the next tile): the hardware prefetcher alone leaves
         // DRAM and L3 latency exposed at one or two cores.
-        let ahead = PREFETCH_BYTES / std::mem::size_of::<E>();
+        let ahead = tmp_pf() / std::mem::size_of::<E>();
         while p < k16 {
             for (c, v) in wv.iter_mut().enumerate() {
                 let at = w.add(c * k + p);
@@ -379,4 +386,14 @@ unsafe fn transpose16(r: &mut [__m512; 16]) {
             }
         }
     }
+}
+
+fn tmp_pf() -> usize {
+    static PF: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PF.get_or_init(|| std::env::var("KVG_PF").ok().and_then(|v| v.parse().ok()).unwrap_or(PREFETCH_BYTES))
+}
+
+fn tmp_nr8() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("KVG_NR8").is_ok())
 }

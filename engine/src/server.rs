@@ -1,0 +1,124 @@
+//! The engine's HTTP server (hyper on tokio): the OpenAI-compatible API, health, metrics, admin
+//! endpoints and the KV event stream for the gateway.
+//!
+//! The engine loop runs on its own thread ([`crate::worker`]) and owns every sequence; handlers
+//! only validate, tokenize, hand the request over a channel and turn the events that come back
+//! into JSON or SSE. Files: [`http`] (plumbing), [`api`] (completions and chat), [`admin`]
+//! (drain, flush, status, KV events), [`metrics`], [`config`].
+
+pub mod admin;
+pub mod api;
+pub mod config;
+pub mod http;
+pub mod launch;
+pub mod metrics;
+
+use crate::worker::Command;
+use http::{error_response, RespBody};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response};
+use hyper_util::rt::TokioIo;
+use kvgate_protocol::openai::{ApiError, Limits};
+use kvgate_protocol::prompt::PromptRenderer;
+use kvgate_protocol::KvEventRecord;
+use metrics::Metrics;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use tokio::net::TcpListener;
+use tokio::sync::broadcast;
+
+/// Everything the handlers share.
+#[derive(Debug)]
+pub struct ServerState {
+    pub model_id: String,
+    pub context_len: usize,
+    pub vocab_size: usize,
+    pub renderer: Arc<PromptRenderer>,
+    pub commands: mpsc::Sender<Command>,
+    pub metrics: Arc<Metrics>,
+    pub kv_events: broadcast::Sender<KvEventRecord>,
+    pub limits: Limits,
+    pub max_body_bytes: usize,
+    /// Required on `/v1/*` and `/kv/events` when set (the gateway's shared token).
+    pub engine_token: Option<String>,
+    /// Required on `/admin/*` when set.
+    pub operator_token: Option<String>,
+    pub draining: AtomicBool,
+    pub inflight: AtomicUsize,
+    pub next_id: AtomicU64,
+    pub started: u64,
+}
+
+impl ServerState {
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+}
+
+/// Serves connections from `listener` until `shutdown` completes; in-flight connections finish.
+pub async fn run(
+    listener: TcpListener,
+    state: Arc<ServerState>,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    let mut shutdown = std::pin::pin!(shutdown);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, _) = match accepted {
+                    Ok(x) => x,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let state = state.clone();
+                let conn = http1::Builder::new().serve_connection(
+                    TokioIo::new(stream),
+                    service_fn(move |req| route(state.clone(), req)),
+                );
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "connection ended");
+                    }
+                });
+            }
+            () = &mut shutdown => break,
+        }
+    }
+    graceful.shutdown().await;
+    Ok(())
+}
+
+async fn route(
+    state: Arc<ServerState>,
+    req: Request<Incoming>,
+) -> Result<Response<RespBody>, std::convert::Infallible> {
+    let path = req.uri().path().to_owned();
+    let method = req.method().clone();
+    let resp = match (method.clone(), path.as_str()) {
+        (Method::GET, "/health") => admin::health(&state),
+        (Method::GET, "/metrics") => http::text_response(
+            "text/plain; version=0.0.4; charset=utf-8",
+            state.metrics.render(),
+        ),
+        (Method::GET, "/v1/models") => api::models(&state, &req),
+        (Method::POST, "/v1/completions") => api::completions(state, req).await,
+        (Method::POST, "/v1/chat/completions") => api::chat(state, req).await,
+        (Method::GET, "/kv/events") => admin::kv_events(state, req).await,
+        (_, p) if p.starts_with("/admin/") => admin::route(state, req).await,
+        (
+            _,
+            "/health" | "/metrics" | "/v1/models" | "/v1/completions" | "/v1/chat/completions"
+            | "/kv/events",
+        ) => error_response(&ApiError::method_not_allowed(method.as_str(), &path)),
+        _ => error_response(&ApiError::not_found(method.as_str(), &path)),
+    };
+    Ok(resp)
+}

@@ -1,0 +1,143 @@
+//! Operator endpoints (`/admin/*`, operator token), `/health`, and `/kv/events` for the gateway.
+//!
+//! `/kv/events` opens with a snapshot of every cached block (`event: snapshot`), then streams each
+//! KV event as `data: {"seq":..,"type":..}`. Events numbered at or below the snapshot's are
+//! skipped; a consumer that falls behind is told to re-sync (`event: resync`) and the stream
+//! ends, so it reconnects and starts from a fresh snapshot.
+
+use super::http::{self, error_response, ok_json, sse_response, stream_channel, RespBody};
+use super::ServerState;
+use crate::worker::Command;
+use bytes::Bytes;
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use kvgate_protocol::openai::ApiError;
+use serde::Deserialize;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tokio::sync::{broadcast, oneshot};
+
+pub fn health(state: &ServerState) -> Response<RespBody> {
+    if state.is_draining() {
+        http::json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "{{\"status\":\"draining\",\"inflight\":{}}}",
+                state.inflight.load(Ordering::SeqCst)
+            ),
+        )
+    } else {
+        http::json_response(StatusCode::OK, "{\"status\":\"ready\"}".into())
+    }
+}
+
+async fn ask<T>(state: &ServerState, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, ApiError> {
+    let (tx, rx) = oneshot::channel();
+    state
+        .commands
+        .send(make(tx))
+        .map_err(|_| ApiError::unavailable("The engine is not running."))?;
+    rx.await
+        .map_err(|_| ApiError::unavailable("The engine is not running."))
+}
+
+#[derive(Deserialize, Default)]
+struct FlushBody {
+    #[serde(default)]
+    scope: Option<String>,
+}
+
+pub async fn route(state: Arc<ServerState>, req: Request<Incoming>) -> Response<RespBody> {
+    match &state.operator_token {
+        Some(t) if http::has_bearer(&req, t) => {}
+        Some(_) => return error_response(&ApiError::unauthorized("Missing or wrong operator token.")),
+        None => {
+            return error_response(&ApiError::forbidden(
+                "Admin endpoints are disabled: no operator token is configured.",
+            ))
+        }
+    }
+    let path = req.uri().path().to_owned();
+    let result = match (req.method().clone(), path.as_str()) {
+        (Method::POST, "/admin/drain") => {
+            state.draining.store(true, Ordering::SeqCst);
+            status(&state).await
+        }
+        (Method::POST, "/admin/undrain") => {
+            state.draining.store(false, Ordering::SeqCst);
+            status(&state).await
+        }
+        (Method::GET, "/admin/status") => status(&state).await,
+        (Method::POST, "/admin/cache/flush") => flush(&state, req).await,
+        (m, p) => Err(ApiError::not_found(m.as_str(), p)),
+    };
+    result.unwrap_or_else(|e| error_response(&e))
+}
+
+async fn status(state: &ServerState) -> Result<Response<RespBody>, ApiError> {
+    let s = ask(state, Command::Status).await?;
+    let inflight = state.inflight.load(Ordering::SeqCst);
+    Ok(ok_json(&serde_json::json!({
+        "draining": state.is_draining(),
+        "drained": state.is_draining() && inflight == 0,
+        "inflight": inflight,
+        "blocks": {"used": s.blocks_used, "cached": s.blocks_cached, "free": s.blocks_free},
+        "queues": {"running": s.running, "waiting": s.waiting, "swapped": s.swapped},
+        "running_by_tenant": s.running_by_tenant,
+    })))
+}
+
+async fn flush(state: &ServerState, req: Request<Incoming>) -> Result<Response<RespBody>, ApiError> {
+    let body = http::read_body(req, 64 << 10).await?;
+    let parsed: FlushBody = if body.iter().all(u8::is_ascii_whitespace) {
+        FlushBody::default()
+    } else {
+        serde_json::from_slice(&body).map_err(|e| ApiError::from_json_error(&e))?
+    };
+    let scope = parsed.scope.clone();
+    let dropped = ask(state, |tx| Command::Flush(scope, tx)).await?;
+    Ok(ok_json(&serde_json::json!({"flushed_blocks": dropped, "scope": parsed.scope})))
+}
+
+pub async fn kv_events(state: Arc<ServerState>, req: Request<Incoming>) -> Response<RespBody> {
+    if let Some(t) = &state.engine_token {
+        if !http::has_bearer(&req, t) {
+            return error_response(&ApiError::unauthorized("Missing or wrong engine token."));
+        }
+    }
+    // Subscribe first, then snapshot: nothing falls between the two.
+    let mut events = state.kv_events.subscribe();
+    let (seq, blocks) = match ask(&state, Command::Snapshot).await {
+        Ok(s) => s,
+        Err(e) => return error_response(&e),
+    };
+    let (tx, body) = stream_channel(256);
+    tokio::spawn(async move {
+        let blocks: Vec<_> = blocks
+            .iter()
+            .map(|(scope, hash)| serde_json::json!({"scope": scope, "hash": hash}))
+            .collect();
+        let snapshot = serde_json::json!({"seq": seq, "blocks": blocks});
+        if tx.send(Bytes::from(format!("event: snapshot\ndata: {snapshot}\n\n"))).await.is_err() {
+            return;
+        }
+        loop {
+            let frame = match events.recv().await {
+                Ok(e) if e.seq <= seq => continue,
+                Ok(e) => match serde_json::to_string(&e) {
+                    Ok(json) => format!("data: {json}\n\n"),
+                    Err(_) => continue,
+                },
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    let _ = tx.send(Bytes::from("event: resync\ndata: {}\n\n")).await;
+                    return;
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            };
+            if tx.send(Bytes::from(frame)).await.is_err() {
+                return;
+            }
+        }
+    });
+    sse_response(body)
+}

@@ -1,0 +1,387 @@
+//! `POST /v1/completions`, `POST /v1/chat/completions` and `GET /v1/models`.
+//!
+//! A request is checked (draining, engine token, body size, JSON, fields, model, context) before
+//! it reaches the engine thread; every failure is an OpenAI-style error. An [`Inflight`] guard
+//! counts the request for drain and, if the response is dropped before the request finished (the
+//! client went away), tells the engine to abort it so its blocks are freed at once.
+
+use super::http::{self, error_response, ok_json, sse_response, stream_channel, RespBody};
+use super::ServerState;
+use crate::sampling::TokenLogprobs;
+use crate::scheduler::GroupId;
+use crate::worker::{Command, Event, Submit};
+use bytes::Bytes;
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use kvgate_protocol::openai::*;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// Which API a request came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+pub fn models<B>(state: &ServerState, req: &Request<B>) -> Response<RespBody> {
+    if let Err(e) = check_engine_token(state, req) {
+        return error_response(&e);
+    }
+    let card = ModelCard::new(&state.model_id, state.started, "kvgate", Some(state.context_len as u32));
+    ok_json(&ModelList::new(vec![card]))
+}
+
+pub async fn completions(state: Arc<ServerState>, req: Request<Incoming>) -> Response<RespBody> {
+    generate(state, req, Kind::Completion).await.unwrap_or_else(|e| error_response(&e))
+}
+
+pub async fn chat(state: Arc<ServerState>, req: Request<Incoming>) -> Response<RespBody> {
+    generate(state, req, Kind::Chat).await.unwrap_or_else(|e| error_response(&e))
+}
+
+fn check_engine_token<B>(state: &ServerState, req: &Request<B>) -> Result<(), ApiError> {
+    match &state.engine_token {
+        Some(t) if !http::has_bearer(req, t) => {
+            Err(ApiError::unauthorized("Missing or wrong engine token."))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Who a request is for: set by the gateway in headers, defaulted when called directly.
+struct Tenancy {
+    tenant: String,
+    scope: String,
+    priority: f64,
+    kv_quota: Option<u32>,
+}
+
+fn tenancy<B>(req: &Request<B>) -> Result<Tenancy, ApiError> {
+    let tenant = http::header_str(req, "x-kvgate-tenant").unwrap_or("default").to_owned();
+    let scope = http::header_str(req, "x-kvgate-scope").map_or_else(|| tenant.clone(), str::to_owned);
+    let priority = match http::header_str(req, "x-kvgate-priority") {
+        None => 1.0,
+        Some(p) => p
+            .parse::<f64>()
+            .ok()
+            .filter(|p| p.is_finite() && *p > 0.0)
+            .ok_or_else(|| ApiError::invalid_value("x-kvgate-priority", "must be a positive number"))?,
+    };
+    let kv_quota = match http::header_str(req, "x-kvgate-kv-quota") {
+        None => None,
+        Some(q) => Some(q.parse::<u32>().map_err(|_| {
+            ApiError::invalid_value("x-kvgate-kv-quota", "must be a block count")
+        })?),
+    };
+    Ok(Tenancy { tenant, scope, priority, kv_quota })
+}
+
+struct Prepared {
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn prepare(state: &ServerState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError> {
+    let tokenize = |e: kvgate_protocol::prompt::PromptError| ApiError::invalid_value("prompt", e.to_string());
+    match kind {
+        Kind::Completion => {
+            let req = CompletionRequest::parse(body)?;
+            if req.model != state.model_id {
+                return Err(ApiError::model_not_found(&req.model));
+            }
+            let input = req.validate(&state.limits)?;
+            input.prompt.check_token_ids(state.vocab_size)?;
+            let prompt = match input.prompt {
+                PromptInput::Text(t) => state.renderer.encode(&t).map_err(tokenize)?,
+                PromptInput::Tokens(t) => t,
+            };
+            Ok(Prepared { prompt, params: input.params, stream: input.stream, include_usage: input.include_usage })
+        }
+        Kind::Chat => {
+            let req = ChatCompletionRequest::parse(body)?;
+            if req.model != state.model_id {
+                return Err(ApiError::model_not_found(&req.model));
+            }
+            let input = req.validate(&state.limits)?;
+            let prompt = state
+                .renderer
+                .encode_chat(&input.messages)
+                .map_err(|e| ApiError::invalid_value("messages", e.to_string()))?;
+            Ok(Prepared { prompt, params: input.params, stream: input.stream, include_usage: input.include_usage })
+        }
+    }
+}
+
+/// Counts a request in flight; aborts it in the engine if dropped before it finished.
+struct Inflight {
+    state: Arc<ServerState>,
+    id: GroupId,
+    finished: bool,
+}
+
+impl Drop for Inflight {
+    fn drop(&mut self) {
+        self.state.inflight.fetch_sub(1, Ordering::SeqCst);
+        if !self.finished {
+            let _ = self.state.commands.send(Command::Abort(self.id));
+        }
+    }
+}
+
+async fn generate(state: Arc<ServerState>, req: Request<Incoming>, kind: Kind) -> Result<Response<RespBody>, ApiError> {
+    if state.is_draining() {
+        return Err(ApiError::draining());
+    }
+    check_engine_token(&state, &req)?;
+    let who = tenancy(&req)?;
+    let body = http::read_body(req, state.max_body_bytes).await?;
+    let p = prepare(&state, kind, &body)?;
+    let max_tokens = p.params.max_tokens_for(p.prompt.len(), state.context_len)?;
+    let id = GroupId(state.next_id.fetch_add(1, Ordering::SeqCst));
+    let (tx, rx) = mpsc::unbounded_channel();
+    let prompt_len = p.prompt.len();
+    let n = p.params.n;
+    let logprobs = p.params.logprobs.is_some();
+    state.inflight.fetch_add(1, Ordering::SeqCst);
+    let guard = Inflight { state: state.clone(), id, finished: false };
+    state
+        .commands
+        .send(Command::Submit(
+            id,
+            Submit {
+                tenant: who.tenant,
+                scope: who.scope,
+                priority: who.priority,
+                kv_quota: who.kv_quota,
+                prompt: p.prompt,
+                params: p.params,
+                max_tokens,
+                events: tx,
+            },
+        ))
+        .map_err(|_| ApiError::unavailable("The engine is not running."))?;
+    let out = Output { state: state.clone(), kind, id: format!("{}-{}", prefix(kind), id.0), created: now(), n, logprobs };
+    if p.stream {
+        let (body_tx, body) = stream_channel(64);
+        tokio::spawn(out.stream(rx, body_tx, guard, p.include_usage));
+        Ok(sse_response(body))
+    } else {
+        out.collect(rx, guard, prompt_len).await
+    }
+}
+
+fn prefix(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Completion => "cmpl",
+        Kind::Chat => "chatcmpl",
+    }
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Renders a request's events as a response.
+struct Output {
+    state: Arc<ServerState>,
+    kind: Kind,
+    id: String,
+    created: u64,
+    n: u32,
+    logprobs: bool,
+}
+
+#[derive(Default)]
+struct Choice {
+    text: String,
+    finish: Option<FinishReason>,
+    tokens: Vec<(u32, usize, TokenLogprobs)>,
+}
+
+impl Output {
+    fn token_text(&self, id: u32) -> String {
+        self.state.renderer.decode(&[id]).unwrap_or_default()
+    }
+
+    fn completion_logprobs(&self, tokens: &[(u32, usize, TokenLogprobs)]) -> CompletionLogprobs {
+        CompletionLogprobs {
+            tokens: tokens.iter().map(|(t, _, _)| self.token_text(*t)).collect(),
+            token_logprobs: tokens.iter().map(|(_, _, l)| l.logprob).collect(),
+            top_logprobs: tokens
+                .iter()
+                .map(|(_, _, l)| TopLogprobMap::new(l.top.iter().map(|(id, lp)| (self.token_text(*id), *lp))))
+                .collect(),
+            text_offset: tokens.iter().map(|(_, off, _)| *off as u32).collect(),
+        }
+    }
+
+    fn chat_logprobs(&self, tokens: &[(u32, usize, TokenLogprobs)]) -> ChatLogprobs {
+        let entry = |id: u32, lp: f32| {
+            let token = self.token_text(id);
+            (token.as_bytes().to_vec(), token, lp)
+        };
+        ChatLogprobs {
+            content: tokens
+                .iter()
+                .map(|(t, _, l)| {
+                    let (bytes, token, logprob) = entry(*t, l.logprob);
+                    ChatTokenLogprob {
+                        token,
+                        logprob,
+                        bytes: Some(bytes),
+                        top_logprobs: l
+                            .top
+                            .iter()
+                            .map(|(id, lp)| {
+                                let (bytes, token, logprob) = entry(*id, *lp);
+                                TopLogprob { token, logprob, bytes: Some(bytes) }
+                            })
+                            .collect(),
+                    }
+                })
+                .collect(),
+        }
+    }
+
+    async fn collect(self, mut rx: mpsc::UnboundedReceiver<Event>, mut guard: Inflight, _prompt_len: usize) -> Result<Response<RespBody>, ApiError> {
+        let mut choices: Vec<Choice> = (0..self.n).map(|_| Choice::default()).collect();
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                Event::Token { index, token, text, logprobs } => {
+                    let c = &mut choices[index as usize];
+                    if let Some(l) = logprobs.filter(|_| self.logprobs) {
+                        c.tokens.push((token, c.text.len(), l));
+                    }
+                    c.text.push_str(&text);
+                }
+                Event::Finished { index, reason, text } => {
+                    let c = &mut choices[index as usize];
+                    c.text.push_str(&text);
+                    c.finish = Some(reason);
+                }
+                Event::Done { prompt_tokens, completion_tokens, cached_tokens } => {
+                    guard.finished = true;
+                    let usage = Usage::new(prompt_tokens as u32, completion_tokens as u32, cached_tokens as u32);
+                    return Ok(self.full_response(choices, usage));
+                }
+                Event::Failed(e) => {
+                    guard.finished = true;
+                    return Err(e);
+                }
+            }
+        }
+        Err(ApiError::internal("The engine stopped before the request finished."))
+    }
+
+    fn full_response(&self, choices: Vec<Choice>, usage: Usage) -> Response<RespBody> {
+        let model = &self.state.model_id;
+        match self.kind {
+            Kind::Completion => {
+                let choices = choices
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, c)| CompletionChoice {
+                        logprobs: self.logprobs.then(|| self.completion_logprobs(&c.tokens)),
+                        text: c.text,
+                        index: i as u32,
+                        finish_reason: c.finish,
+                    })
+                    .collect();
+                ok_json(&CompletionResponse::new(&self.id, self.created, model, choices, usage))
+            }
+            Kind::Chat => {
+                let choices = choices
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        let lp = self.logprobs.then(|| self.chat_logprobs(&c.tokens));
+                        ChatChoice::new(i as u32, c.text, lp, c.finish.unwrap_or(FinishReason::Stop))
+                    })
+                    .collect();
+                ok_json(&ChatCompletionResponse::new(&self.id, self.created, model, choices, usage))
+            }
+        }
+    }
+
+    fn chunk(&self, index: u32, text: String, finish: Option<FinishReason>, lp: Option<(u32, usize, TokenLogprobs)>, first: bool) -> String {
+        let model = &self.state.model_id;
+        let lps: Vec<_> = lp.into_iter().collect();
+        match self.kind {
+            Kind::Completion => sse_event(&CompletionChunk::new(
+                &self.id,
+                self.created,
+                model,
+                vec![CompletionChoice {
+                    text,
+                    index,
+                    logprobs: (!lps.is_empty()).then(|| self.completion_logprobs(&lps)),
+                    finish_reason: finish,
+                }],
+            )),
+            Kind::Chat => {
+                let mut out = String::new();
+                if first {
+                    out.push_str(&sse_event(&ChatCompletionChunk::new(&self.id, self.created, model, vec![ChatChunkChoice::role(index)])));
+                }
+                let choice = match finish {
+                    Some(r) => ChatChunkChoice::finish(index, text, r),
+                    None => ChatChunkChoice::content(index, text, (!lps.is_empty()).then(|| self.chat_logprobs(&lps))),
+                };
+                out.push_str(&sse_event(&ChatCompletionChunk::new(&self.id, self.created, model, vec![choice])));
+                out
+            }
+        }
+    }
+
+    async fn stream(self, mut rx: mpsc::UnboundedReceiver<Event>, body: mpsc::Sender<Bytes>, mut guard: Inflight, include_usage: bool) {
+        let mut started = vec![false; self.n as usize];
+        let mut offsets = vec![0usize; self.n as usize];
+        while let Some(ev) = rx.recv().await {
+            let frame = match ev {
+                Event::Token { index, token, text, logprobs } => {
+                    let i = index as usize;
+                    let lp = logprobs.filter(|_| self.logprobs).map(|l| (token, offsets[i], l));
+                    if text.is_empty() && lp.is_none() && started[i] {
+                        continue;
+                    }
+                    offsets[i] += text.len();
+                    let first = !std::mem::replace(&mut started[i], true);
+                    self.chunk(index, text, None, lp, first)
+                }
+                Event::Finished { index, reason, text } => {
+                    let first = !std::mem::replace(&mut started[index as usize], true);
+                    self.chunk(index, text, Some(reason), None, first)
+                }
+                Event::Done { prompt_tokens, completion_tokens, cached_tokens } => {
+                    guard.finished = true;
+                    let mut out = String::new();
+                    if include_usage {
+                        let usage = Usage::new(prompt_tokens as u32, completion_tokens as u32, cached_tokens as u32);
+                        let model = &self.state.model_id;
+                        out.push_str(&match self.kind {
+                            Kind::Completion => sse_event(&CompletionChunk::usage(&self.id, self.created, model, usage)),
+                            Kind::Chat => sse_event(&ChatCompletionChunk::usage(&self.id, self.created, model, usage)),
+                        });
+                    }
+                    out.push_str(SSE_DONE);
+                    let _ = body.send(Bytes::from(out)).await;
+                    return;
+                }
+                Event::Failed(e) => {
+                    guard.finished = true;
+                    let _ = body.send(Bytes::from(e.to_sse())).await;
+                    return;
+                }
+            };
+            if body.send(Bytes::from(frame)).await.is_err() {
+                return; // the client went away: the guard aborts the request
+            }
+        }
+    }
+}
