@@ -62,7 +62,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 fn run(config: EngineConfig, banner: Option<()>) -> Result<()> {
     init_tracing();
     let dir = model_cmd::resolve(config.model.as_deref())?;
-    let state = launch::start(&config, &dir).with_context(|| format!("starting the engine on {}", dir.display()))?;
+    let state = launch::start(&config, &dir)
+        .with_context(|| format!("starting the engine on {}", dir.display()))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -93,5 +94,8 @@ fn run(config: EngineConfig, banner: Option<()>) -> Result<()> {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }

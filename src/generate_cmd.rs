@@ -82,7 +82,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     )
     .with_context(|| format!("loading {}", dir.display()))?;
     let hasher = BlockHasher::new(&HashParams {
-        model_id: dir.file_name().and_then(|n| n.to_str()).unwrap_or("model").to_owned(),
+        model_id: dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("model")
+            .to_owned(),
         weight_version: "local".into(),
         kv_dtype: "f32".into(),
         block_size: block_size as u32,

@@ -51,14 +51,19 @@ pub fn resolve(model: Option<&Path>) -> Result<PathBuf> {
         None => default_model(),
         Some(p) if p.extension().is_some_and(|e| e == "gguf") => {
             let stem = p.file_stem().and_then(|s| s.to_str()).unwrap_or("model");
-            let out = assets::home()?.join("models").join(format!("imported-{stem}"));
+            let out = assets::home()?
+                .join("models")
+                .join(format!("imported-{stem}"));
             if !out.join("config.json").exists() {
                 import(p, &out)?;
             }
             Ok(out)
         }
         Some(p) if p.join("config.json").exists() => Ok(p.to_path_buf()),
-        Some(p) => bail!("{}: not a model directory (no config.json) or .gguf file", p.display()),
+        Some(p) => bail!(
+            "{}: not a model directory (no config.json) or .gguf file",
+            p.display()
+        ),
     }
 }
 
@@ -95,7 +100,8 @@ fn bar(len: u64, what: &str) -> ProgressBar {
 }
 
 fn sha256(path: &Path) -> Result<String> {
-    let mut file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut file =
+        std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let len = file.metadata()?.len();
     let progress = bar(len, "verifying");
     let mut hasher = Sha256::new();

@@ -12,7 +12,13 @@ const BS: u32 = 16;
 
 fn prompt_tokens(shared: usize, total: usize, salt: u32) -> Vec<u32> {
     (0..total as u32)
-        .map(|i| if (i as usize) < shared { i } else { i.wrapping_mul(31) ^ (salt << 12) })
+        .map(|i| {
+            if (i as usize) < shared {
+                i
+            } else {
+                i.wrapping_mul(31) ^ (salt << 12)
+            }
+        })
         .collect()
 }
 
@@ -31,7 +37,9 @@ fn lookup(c: &mut Criterion) {
             black_box(m.cached_prefix(&p).len())
         })
     });
-    g.bench_function("match_only_64_blocks", |b| b.iter(|| black_box(m.cached_prefix(&p).len())));
+    g.bench_function("match_only_64_blocks", |b| {
+        b.iter(|| black_box(m.cached_prefix(&p).len()))
+    });
     let hasher = test_hasher();
     let chain = hasher.start("tenant");
     g.throughput(Throughput::Elements(1));

@@ -115,7 +115,11 @@ async fn route(
         (_, p) if p.starts_with("/admin/") => admin::route(state, req).await,
         (
             _,
-            "/health" | "/metrics" | "/v1/models" | "/v1/completions" | "/v1/chat/completions"
+            "/health"
+            | "/metrics"
+            | "/v1/models"
+            | "/v1/completions"
+            | "/v1/chat/completions"
             | "/kv/events",
         ) => error_response(&ApiError::method_not_allowed(method.as_str(), &path)),
         _ => error_response(&ApiError::not_found(method.as_str(), &path)),

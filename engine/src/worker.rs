@@ -79,7 +79,7 @@ pub struct Status {
 /// Commands to the engine thread.
 #[derive(Debug)]
 pub enum Command {
-    Submit(GroupId, Submit),
+    Submit(GroupId, Box<Submit>),
     Abort(GroupId),
     /// Drop cached prefixes (all, or one scope); replies with the number dropped.
     Flush(Option<String>, oneshot::Sender<usize>),
@@ -180,7 +180,7 @@ impl<B: Backend> Worker<B> {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit(id, s) => self.submit(id, s),
+            Command::Submit(id, s) => self.submit(id, *s),
             Command::Abort(id) => {
                 if self.sched.abort(id) {
                     self.requests.remove(&id);
@@ -235,7 +235,10 @@ impl<B: Backend> Worker<B> {
             max_tokens: s.max_tokens as usize,
         });
         if let Err(reason) = added {
-            let _ = s.events.send(Event::Failed(ApiError::new(ErrorCode::InvalidValue, reason)));
+            let _ = s.events.send(Event::Failed(ApiError::new(
+                ErrorCode::InvalidValue,
+                reason,
+            )));
             return;
         }
         self.requests.insert(
@@ -268,7 +271,10 @@ impl<B: Backend> Worker<B> {
         let plan = self.sched.schedule();
         for (id, reason) in &plan.rejected {
             if let Some(r) = self.requests.remove(id) {
-                let _ = r.events.send(Event::Failed(ApiError::new(ErrorCode::InvalidValue, reason.clone())));
+                let _ = r.events.send(Event::Failed(ApiError::new(
+                    ErrorCode::InvalidValue,
+                    reason.clone(),
+                )));
             }
         }
         let pairs = |v: &[(crate::kv::BlockId, crate::kv::HostBlockId)]| -> Vec<(u32, u32)> {
@@ -289,7 +295,8 @@ impl<B: Backend> Worker<B> {
             let row = &logits[k * vocab..(k + 1) * vocab];
             self.on_logits(item.group, item.seq, row);
         }
-        self.metrics.update(|m| m.batch_tokens.observe(plan.num_tokens() as f64));
+        self.metrics
+            .update(|m| m.batch_tokens.observe(plan.num_tokens() as f64));
     }
 
     fn forward(&mut self, plan: &StepPlan) -> Vec<f32> {
@@ -298,8 +305,16 @@ impl<B: Backend> Worker<B> {
         let mut tables: Vec<Vec<u32>> = Vec::with_capacity(plan.items.len());
         for item in &plan.items {
             let group = self.sched.group(item.group).expect("scheduled group");
-            let seq = group.seqs.iter().find(|s| s.id == item.seq).expect("scheduled sequence");
-            let table = self.sched.kv.block_table(item.seq).expect("scheduled table");
+            let seq = group
+                .seqs
+                .iter()
+                .find(|s| s.id == item.seq)
+                .expect("scheduled sequence");
+            let table = self
+                .sched
+                .kv
+                .block_table(item.seq)
+                .expect("scheduled table");
             for p in item.start..item.start + item.len {
                 tokens.push(seq.tokens[p]);
                 positions.push(p as u32);
@@ -338,16 +353,22 @@ impl<B: Backend> Worker<B> {
     /// Samples the next token of `seq` (or of every sample, right after the prompt of an `n > 1`
     /// request) from one row of logits.
     fn on_logits(&mut self, gid: GroupId, seq: crate::kv::SeqId, row: &[f32]) {
-        let Some(group) = self.sched.group(gid) else { return };
+        let Some(group) = self.sched.group(gid) else {
+            return;
+        };
         let targets: Vec<(usize, crate::kv::SeqId)> = if group.n > 1 && group.seqs.len() == 1 {
             let ids = self.sched.fork_samples(gid);
-            let Some(req) = self.requests.get_mut(&gid) else { return };
+            let Some(req) = self.requests.get_mut(&gid) else {
+                return;
+            };
             for (i, id) in ids.iter().enumerate() {
                 req.index.insert(*id, i);
             }
             ids.into_iter().enumerate().collect()
         } else {
-            let Some(req) = self.requests.get_mut(&gid) else { return };
+            let Some(req) = self.requests.get_mut(&gid) else {
+                return;
+            };
             let i = *req.index.entry(seq).or_insert(0);
             vec![(i, seq)]
         };
@@ -358,21 +379,33 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    fn sample_one(&mut self, gid: GroupId, index: usize, seq: crate::kv::SeqId, logits: &mut [f32]) {
+    fn sample_one(
+        &mut self,
+        gid: GroupId,
+        index: usize,
+        seq: crate::kv::SeqId,
+        logits: &mut [f32],
+    ) {
         let now = Instant::now();
-        let Some(req) = self.requests.get_mut(&gid) else { return };
+        let Some(req) = self.requests.get_mut(&gid) else {
+            return;
+        };
         let sample = &mut req.samples[index];
         let sampled = match sample.sampler.sample(logits, &mut self.ws) {
             Ok(s) => s,
             Err(e) => {
-                let _ = req.events.send(Event::Failed(ApiError::internal(e.to_string())));
+                let _ = req
+                    .events
+                    .send(Event::Failed(ApiError::internal(e.to_string())));
                 self.sched.abort(gid);
                 self.requests.remove(&gid);
                 return;
             }
         };
         let new_from = sample.detok.push(&self.renderer, sampled.token);
-        let finish = sample.stop.check(sampled.token, &sample.detok.text, new_from);
+        let finish = sample
+            .stop
+            .check(sampled.token, &sample.detok.text, new_from);
         req.completion_tokens += 1;
         let since = sample.last_token_at.replace(now);
         let first = !std::mem::replace(&mut req.first_token, true);
@@ -394,12 +427,15 @@ impl<B: Backend> Worker<B> {
                 sample.done = true;
                 Event::Finished {
                     index: index as u32,
-                    reason: f.reason.clone(),
+                    reason: f.reason,
                     text,
                 }
             }
             None => {
-                let ready = sample.stop.streamable_len(&sample.detok.text).max(sample.sent);
+                let ready = sample
+                    .stop
+                    .streamable_len(&sample.detok.text)
+                    .max(sample.sent);
                 let text = sample.detok.text[sample.sent..ready].to_owned();
                 sample.sent = ready;
                 Event::Token {
@@ -460,7 +496,11 @@ impl<B: Backend> Worker<B> {
             .iter()
             .map(|(t, s)| (t.clone(), u64::from(self.sched.kv.scope_usage(*s))))
             .collect();
-        let (running, waiting, swapped) = (self.sched.num_running(), self.sched.num_waiting(), self.sched.num_swapped());
+        let (running, waiting, swapped) = (
+            self.sched.num_running(),
+            self.sched.num_waiting(),
+            self.sched.num_swapped(),
+        );
         self.metrics.update(|m| {
             m.blocks_used = usage.used as u64;
             m.blocks_cached = usage.cached as u64;

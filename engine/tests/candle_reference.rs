@@ -125,12 +125,17 @@ fn assert_close(ours: &[f32], reference: &[f32], what: &str) {
     let scale = reference.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
     for (i, (a, b)) in ours.iter().zip(reference).enumerate() {
         let err = (a - b).abs() / scale;
-        assert!(err <= 1e-4, "{what}: logit {i}: ours {a}, candle {b} (rel {err:e})");
+        assert!(
+            err <= 1e-4,
+            "{what}: logit {i}: ours {a}, candle {b} (rel {err:e})"
+        );
     }
 }
 
 fn tokens(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 37 + salt * 11 + 3) % TINY.vocab as u32).collect()
+    (0..n as u32)
+        .map(|i| (i * 37 + salt * 11 + 3) % TINY.vocab as u32)
+        .collect()
 }
 
 fn setup() -> (tempfile::TempDir, Vec<u32>, Vec<Vec<f32>>) {
@@ -188,9 +193,15 @@ fn shared_scattered_prefix_matches_candle() {
     }
     let (_, _) = ours.prefill(SeqId(1), &seq[..14], 1);
     let (cached, logits) = ours.prefill(SeqId(2), &seq, 1);
-    assert_eq!(cached, 12, "three full blocks of the first 14 tokens are shared");
+    assert_eq!(
+        cached, 12,
+        "three full blocks of the first 14 tokens are shared"
+    );
     let table = ours.kv.block_table(SeqId(2)).unwrap().blocks().to_vec();
-    assert!(table.windows(2).any(|w| w[1].0 != w[0].0 + 1), "blocks are scattered: {table:?}");
+    assert!(
+        table.windows(2).any(|w| w[1].0 != w[0].0 + 1),
+        "blocks are scattered: {table:?}"
+    );
     for (k, (a, b)) in logits.iter().zip(&reference[cached..]).enumerate() {
         assert_close(a, b, &format!("shared-prefix position {}", cached + k));
     }

@@ -7,7 +7,9 @@ use kvgate_protocol::prompt::{ChatMessage, PromptRenderer};
 
 #[test]
 fn chat_template_and_tokenizer_match_the_golden_ids() {
-    let Some(dir) = common::smollm2_dir() else { return };
+    let Some(dir) = common::smollm2_dir() else {
+        return;
+    };
     let r = PromptRenderer::from_dir(&dir).unwrap();
     let ids = r
         .encode_chat(&[ChatMessage {
@@ -18,7 +20,10 @@ fn chat_template_and_tokenizer_match_the_golden_ids() {
     assert_eq!(ids.len(), 37, "{ids:?}");
     assert_eq!(ids[..6], common::GOLDEN_CHAT_PROMPT_HEAD);
     assert_eq!(ids[31..], common::GOLDEN_CHAT_PROMPT_TAIL);
-    assert_eq!(r.encode("The quick brown fox").unwrap(), common::GOLDEN_FOX_PROMPT);
+    assert_eq!(
+        r.encode("The quick brown fox").unwrap(),
+        common::GOLDEN_FOX_PROMPT
+    );
     assert_eq!(
         r.decode(&common::GOLDEN_CHAT_ANSWER).unwrap(),
         "The capital of France is Paris."
@@ -28,8 +33,14 @@ fn chat_template_and_tokenizer_match_the_golden_ids() {
     let text = r
         .render_chat(
             &[
-                ChatMessage { role: "system".into(), content: "Be brief.".into() },
-                ChatMessage { role: "user".into(), content: "Hi".into() },
+                ChatMessage {
+                    role: "system".into(),
+                    content: "Be brief.".into(),
+                },
+                ChatMessage {
+                    role: "user".into(),
+                    content: "Hi".into(),
+                },
             ],
             true,
         )

@@ -1,5 +1,5 @@
-use kvgate_kernels::{Backend, Cpu, WeightData};
 use kvgate_kernels::cpu::CpuTensor;
+use kvgate_kernels::{Backend, Cpu, WeightData};
 use std::time::Instant;
 fn main() {
     let cpu = Cpu::new();
@@ -11,8 +11,14 @@ fn main() {
         cpu.matmul(&x, &w, None, &mut out);
         let t = Instant::now();
         let it = if m == 1 { 2000 } else { 20 };
-        for _ in 0..it { cpu.matmul(&x, &w, None, &mut out); }
+        for _ in 0..it {
+            cpu.matmul(&x, &w, None, &mut out);
+        }
         let dt = t.elapsed().as_secs_f64() / it as f64;
-        println!("m={m}: {:.1} us, {:.1} GFLOP/s", dt * 1e6, 2.0 * (m * n * k) as f64 / dt / 1e9);
+        println!(
+            "m={m}: {:.1} us, {:.1} GFLOP/s",
+            dt * 1e6,
+            2.0 * (m * n * k) as f64 / dt / 1e9
+        );
     }
 }

@@ -55,10 +55,11 @@ impl PromptRenderer {
     /// Loads `dir/tokenizer.json` and, when present, `dir/tokenizer_config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, PromptError> {
         let tok_path = dir.join("tokenizer.json");
-        let tokenizer = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| PromptError::Load {
-            file: tok_path.clone(),
-            reason: e.to_string(),
-        })?;
+        let tokenizer =
+            tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| PromptError::Load {
+                file: tok_path.clone(),
+                reason: e.to_string(),
+            })?;
         let cfg_path = dir.join("tokenizer_config.json");
         let config: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
             Ok(text) => serde_json::from_str(&text).map_err(|e| PromptError::Load {
@@ -86,7 +87,10 @@ impl PromptRenderer {
                 })?;
         }
         let bos_token = token_text(&config, "bos_token");
-        let add_bos = match (config.get("add_bos_token").and_then(|v| v.as_bool()), &bos_token) {
+        let add_bos = match (
+            config.get("add_bos_token").and_then(|v| v.as_bool()),
+            &bos_token,
+        ) {
             (Some(true), Some(b)) => tokenizer.token_to_id(b),
             _ => None,
         };

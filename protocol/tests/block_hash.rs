@@ -54,7 +54,8 @@ fn recipe_matches_an_independent_derivation() {
     let c0 = *blake3::keyed_hash(&start, &tokens[..64]).as_bytes();
     let c1 = *blake3::keyed_hash(&c0, &tokens[64..]).as_bytes();
     let key = |c: [u8; 32]| BlockHash(u128::from_le_bytes(c[..16].try_into().unwrap()));
-    let (ours, chain) = BlockHasher::new(&p).hash_prefix("tenant-a", &(0..32).collect::<Vec<u32>>());
+    let (ours, chain) =
+        BlockHasher::new(&p).hash_prefix("tenant-a", &(0..32).collect::<Vec<u32>>());
     assert_eq!(ours, vec![key(c0), key(c1)]);
     assert_eq!(chain.key(), key(c1));
 }
@@ -121,7 +122,11 @@ fn partial_blocks_have_no_key_and_block_size_binds() {
     assert_eq!(h.block_keys("s", &(0..47).collect::<Vec<u32>>()).len(), 2);
     let (keys, chain) = h.hash_prefix("s", &[1, 2, 3]);
     assert!(keys.is_empty());
-    assert_eq!(chain, h.start("s"), "no full block: the chain is the scope's start");
+    assert_eq!(
+        chain,
+        h.start("s"),
+        "no full block: the chain is the scope's start"
+    );
     // Extending from a chain equals hashing the whole prefix.
     let t: Vec<u32> = (0..64).collect();
     let (head, mid) = h.hash_prefix("s", &t[..32]);

@@ -42,7 +42,10 @@ fn generate(args: &[&str]) -> (String, Vec<u32>) {
 #[test]
 fn golden_outputs_in_f32_and_f16() {
     if !home().join("downloads").exists() {
-        assert!(std::env::var_os("CI").is_none(), "scripts/test fetches the model first");
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "scripts/test fetches the model first"
+        );
         eprintln!("skipped: run scripts/test once to fetch the model");
         return;
     }
@@ -76,8 +79,19 @@ fn golden_outputs_in_f32_and_f16() {
 fn bad_model_paths_are_one_line_errors() {
     let cases: [&[&str]; 3] = [
         &["generate", "--model", "/nonexistent", "--prompt", "hi"],
-        &["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"],
-        &["model", "import", "/nonexistent/x.gguf", "/tmp/kvgate-never"],
+        &[
+            "generate",
+            "--model",
+            "/nonexistent/model.gguf",
+            "--prompt",
+            "hi",
+        ],
+        &[
+            "model",
+            "import",
+            "/nonexistent/x.gguf",
+            "/tmp/kvgate-never",
+        ],
     ];
     for args in cases {
         let out = Command::new(env!("CARGO_BIN_EXE_kvgate"))
@@ -87,6 +101,9 @@ fn bad_model_paths_are_one_line_errors() {
             .expect("kvgate runs");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
-        assert!(stderr.starts_with("error: ") && !stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(
+            stderr.starts_with("error: ") && !stderr.contains("panicked"),
+            "{args:?}: {stderr}"
+        );
     }
 }

@@ -47,8 +47,14 @@ impl EventLog {
             let event = match self.raw[i] {
                 Raw::Stored { parent, scope, .. } => {
                     i += 1;
-                    while let (Raw::Stored { hash: prev, .. }, Some(Raw::Stored { parent: p, scope: s, .. })) =
-                        (self.raw[i - 1], self.raw.get(i))
+                    while let (
+                        Raw::Stored { hash: prev, .. },
+                        Some(Raw::Stored {
+                            parent: p,
+                            scope: s,
+                            ..
+                        }),
+                    ) = (self.raw[i - 1], self.raw.get(i))
                     {
                         if *s != scope || *p != Some(prev) {
                             break;

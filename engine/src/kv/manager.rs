@@ -350,7 +350,11 @@ impl KvCacheManager {
         let free = self.pool.num_free();
         let (_, cow) = self.append_need(state, 1);
         let filled = state.table.last_block_filled(b);
-        let room = if state.table.blocks().is_empty() || filled == b { 0 } else { b - filled };
+        let room = if state.table.blocks().is_empty() || filled == b {
+            0
+        } else {
+            b - filled
+        };
         let free_after_cow = free.saturating_sub(usize::from(cow));
         if cow && free == 0 {
             return 0;

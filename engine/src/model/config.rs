@@ -217,7 +217,10 @@ mod tests {
     #[test]
     fn parses_smollm2() {
         let c = ModelConfig::parse(SMOLLM2).unwrap();
-        assert_eq!((c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim), (30, 9, 3, 64));
+        assert_eq!(
+            (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim),
+            (30, 9, 3, 64)
+        );
         assert!(c.tie_word_embeddings && !c.attention_bias);
         assert_eq!(c.eos_token_ids, vec![2]);
     }
@@ -231,16 +234,28 @@ mod tests {
             r#""rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,
                "high_freq_factor":4.0,"original_max_position_embeddings":8192},"hidden_act""#,
         );
-        assert_eq!(ModelConfig::parse(&l3).unwrap().rope_llama3.unwrap().factor, 8.0);
+        assert_eq!(
+            ModelConfig::parse(&l3).unwrap().rope_llama3.unwrap().factor,
+            8.0
+        );
     }
 
     #[test]
     fn errors_name_the_field() {
         let bad = [
             (SMOLLM2.replace("\"llama\"", "\"gpt2\""), "model_type"),
-            (SMOLLM2.replace("\"num_key_value_heads\":3", "\"num_key_value_heads\":4"), "num_key_value_heads"),
-            (SMOLLM2.replace("\"vocab_size\":49152", "\"vocab_size\":0"), "vocab_size"),
-            (SMOLLM2.replace("\"hidden_act\":\"silu\"", "\"hidden_act\":\"gelu\""), "hidden_act"),
+            (
+                SMOLLM2.replace("\"num_key_value_heads\":3", "\"num_key_value_heads\":4"),
+                "num_key_value_heads",
+            ),
+            (
+                SMOLLM2.replace("\"vocab_size\":49152", "\"vocab_size\":0"),
+                "vocab_size",
+            ),
+            (
+                SMOLLM2.replace("\"hidden_act\":\"silu\"", "\"hidden_act\":\"gelu\""),
+                "hidden_act",
+            ),
             ("{".to_owned(), "EOF"),
             (SMOLLM2.replace("\"hidden_size\":576,", ""), "hidden_size"),
         ];

@@ -146,14 +146,38 @@ impl<B: Backend> Llama<B> {
             )?;
             layers.push(Layer {
                 input_norm: load(&format!("{p}.input_layernorm.weight"), &[h], DType::F32)?,
-                q: load(&format!("{p}.self_attn.q_proj.weight"), &[hd, h], opts.dtype)?,
-                k: load(&format!("{p}.self_attn.k_proj.weight"), &[kvd, h], opts.dtype)?,
-                v: load(&format!("{p}.self_attn.v_proj.weight"), &[kvd, h], opts.dtype)?,
+                q: load(
+                    &format!("{p}.self_attn.q_proj.weight"),
+                    &[hd, h],
+                    opts.dtype,
+                )?,
+                k: load(
+                    &format!("{p}.self_attn.k_proj.weight"),
+                    &[kvd, h],
+                    opts.dtype,
+                )?,
+                v: load(
+                    &format!("{p}.self_attn.v_proj.weight"),
+                    &[kvd, h],
+                    opts.dtype,
+                )?,
                 qkv_bias,
-                o: load(&format!("{p}.self_attn.o_proj.weight"), &[h, hd], opts.dtype)?,
-                post_norm: load(&format!("{p}.post_attention_layernorm.weight"), &[h], DType::F32)?,
+                o: load(
+                    &format!("{p}.self_attn.o_proj.weight"),
+                    &[h, hd],
+                    opts.dtype,
+                )?,
+                post_norm: load(
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    &[h],
+                    DType::F32,
+                )?,
                 gate_up: backend.weight(gate_up, 2 * c.intermediate_size, h),
-                down: load(&format!("{p}.mlp.down_proj.weight"), &[h, c.intermediate_size], opts.dtype)?,
+                down: load(
+                    &format!("{p}.mlp.down_proj.weight"),
+                    &[h, c.intermediate_size],
+                    opts.dtype,
+                )?,
             });
         }
         let embed = load("model.embed_tokens.weight", &[c.vocab_size, h], opts.dtype)?;
@@ -233,7 +257,15 @@ impl<B: Backend> Llama<B> {
         let n = batch.tokens.len();
         let b = &self.backend;
         let s = &mut self.scratch;
-        for t in [&mut s.x, &mut s.h, &mut s.q, &mut s.k, &mut s.v, &mut s.attn, &mut s.proj] {
+        for t in [
+            &mut s.x,
+            &mut s.h,
+            &mut s.q,
+            &mut s.k,
+            &mut s.v,
+            &mut s.attn,
+            &mut s.proj,
+        ] {
             b.resize_rows(t, n);
         }
         b.resize_rows(&mut s.gate_up, n);
@@ -249,8 +281,21 @@ impl<B: Backend> Llama<B> {
             b.matmul(&s.h, &layer.v, bias.map(|x| &x[2]), &mut s.v);
             b.apply_rope(&self.rope, &mut s.q, batch.positions);
             b.apply_rope(&self.rope, &mut s.k, batch.positions);
-            b.reshape_and_cache(&s.k, &s.v, &mut self.k_cache[i], &mut self.v_cache[i], batch.slots);
-            b.paged_attention(&s.q, &self.k_cache[i], &self.v_cache[i], batch.seqs, scale, &mut s.attn);
+            b.reshape_and_cache(
+                &s.k,
+                &s.v,
+                &mut self.k_cache[i],
+                &mut self.v_cache[i],
+                batch.slots,
+            );
+            b.paged_attention(
+                &s.q,
+                &self.k_cache[i],
+                &self.v_cache[i],
+                batch.seqs,
+                scale,
+                &mut s.attn,
+            );
             b.matmul(&s.attn, &layer.o, None, &mut s.proj);
             b.add_assign(&mut s.x, &s.proj);
             b.rms_norm(&s.x, &layer.post_norm, eps, &mut s.h);
@@ -264,7 +309,12 @@ impl<B: Backend> Llama<B> {
         b.resize_rows(&mut s.logits, rows);
         b.gather_rows(&s.x, batch.logits_rows, &mut s.h);
         b.rms_norm(&s.h, &self.norm, eps, &mut s.last);
-        b.matmul(&s.last, self.lm_head.as_ref().unwrap_or(&self.embed), None, &mut s.logits);
+        b.matmul(
+            &s.last,
+            self.lm_head.as_ref().unwrap_or(&self.embed),
+            None,
+            &mut s.logits,
+        );
         b.download(&s.logits)
     }
 

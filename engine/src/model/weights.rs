@@ -72,9 +72,24 @@ impl Safetensors {
         let view = st.tensor(name).map_err(|e| ModelError::weights(path, e))?;
         let bytes = view.data();
         let data = match view.dtype() {
-            StDtype::F32 => convert(bytes, 4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]), dtype),
-            StDtype::F16 => convert(bytes, 2, |b| f16::from_le_bytes([b[0], b[1]]).to_f32(), dtype),
-            StDtype::BF16 => convert(bytes, 2, |b| bf16::from_le_bytes([b[0], b[1]]).to_f32(), dtype),
+            StDtype::F32 => convert(
+                bytes,
+                4,
+                |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                dtype,
+            ),
+            StDtype::F16 => convert(
+                bytes,
+                2,
+                |b| f16::from_le_bytes([b[0], b[1]]).to_f32(),
+                dtype,
+            ),
+            StDtype::BF16 => convert(
+                bytes,
+                2,
+                |b| bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+                dtype,
+            ),
             other => {
                 return Err(ModelError::weights(
                     path,

@@ -101,7 +101,7 @@ impl StopChecker {
                 });
             }
         }
-        (self.generated >= self.max_tokens).then(|| Finish {
+        (self.generated >= self.max_tokens).then_some(Finish {
             reason: FinishReason::Length,
             matched: StopMatch::Length,
             text_len: text.len(),

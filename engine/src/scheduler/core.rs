@@ -184,7 +184,9 @@ impl Scheduler {
         let order = self.running.clone();
         for gid in order {
             // An earlier group's preemption may have taken this one already.
-            let Some(group) = self.groups.get(&gid) else { continue };
+            let Some(group) = self.groups.get(&gid) else {
+                continue;
+            };
             if group.status != SeqStatus::Running || group.in_prefill() {
                 continue;
             }
@@ -335,7 +337,9 @@ impl Scheduler {
                 complete = false;
                 break;
             }
-            let len = want.min(budget.tokens).min(self.kv.appendable_tokens(seq.id));
+            let len = want
+                .min(budget.tokens)
+                .min(self.kv.appendable_tokens(seq.id));
             if len == 0 {
                 complete = false;
                 break;
@@ -438,7 +442,12 @@ impl Scheduler {
         }
         let first = group.hashed.is_some();
         let group = self.groups.get_mut(&gid).expect("group");
-        for (seq, (_, cached)) in group.seqs.iter_mut().filter(|s| s.finished.is_none()).zip(&started) {
+        for (seq, (_, cached)) in group
+            .seqs
+            .iter_mut()
+            .filter(|s| s.finished.is_none())
+            .zip(&started)
+        {
             seq.num_computed = *cached;
         }
         if first {
@@ -473,7 +482,10 @@ impl Scheduler {
         for _ in 1..group.n {
             let id = self.new_seq_id();
             if self.kv.fork(parent.id, id).is_ok() {
-                children.push(Sequence { id, ..parent.clone() });
+                children.push(Sequence {
+                    id,
+                    ..parent.clone()
+                });
             }
         }
         let group = self.groups.get_mut(&gid).expect("group");

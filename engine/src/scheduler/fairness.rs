@@ -75,7 +75,12 @@ impl FairQueues {
         let mut ids: Vec<usize> = (0..self.tenants.len())
             .filter(|&i| !self.tenants[i].queue.is_empty())
             .collect();
-        ids.sort_by(|&a, &b| self.tenants[a].clock.total_cmp(&self.tenants[b].clock).then(a.cmp(&b)));
+        ids.sort_by(|&a, &b| {
+            self.tenants[a]
+                .clock
+                .total_cmp(&self.tenants[b].clock)
+                .then(a.cmp(&b))
+        });
         ids.into_iter().map(|i| TenantId(i as u32)).collect()
     }
 

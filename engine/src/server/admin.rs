@@ -31,7 +31,10 @@ pub fn health(state: &ServerState) -> Response<RespBody> {
     }
 }
 
-async fn ask<T>(state: &ServerState, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, ApiError> {
+async fn ask<T>(
+    state: &ServerState,
+    make: impl FnOnce(oneshot::Sender<T>) -> Command,
+) -> Result<T, ApiError> {
     let (tx, rx) = oneshot::channel();
     state
         .commands
@@ -50,7 +53,9 @@ struct FlushBody {
 pub async fn route(state: Arc<ServerState>, req: Request<Incoming>) -> Response<RespBody> {
     match &state.operator_token {
         Some(t) if http::has_bearer(&req, t) => {}
-        Some(_) => return error_response(&ApiError::unauthorized("Missing or wrong operator token.")),
+        Some(_) => {
+            return error_response(&ApiError::unauthorized("Missing or wrong operator token."))
+        }
         None => {
             return error_response(&ApiError::forbidden(
                 "Admin endpoints are disabled: no operator token is configured.",
@@ -87,7 +92,10 @@ async fn status(state: &ServerState) -> Result<Response<RespBody>, ApiError> {
     })))
 }
 
-async fn flush(state: &ServerState, req: Request<Incoming>) -> Result<Response<RespBody>, ApiError> {
+async fn flush(
+    state: &ServerState,
+    req: Request<Incoming>,
+) -> Result<Response<RespBody>, ApiError> {
     let body = http::read_body(req, 64 << 10).await?;
     let parsed: FlushBody = if body.iter().all(u8::is_ascii_whitespace) {
         FlushBody::default()
@@ -96,7 +104,9 @@ async fn flush(state: &ServerState, req: Request<Incoming>) -> Result<Response<R
     };
     let scope = parsed.scope.clone();
     let dropped = ask(state, |tx| Command::Flush(scope, tx)).await?;
-    Ok(ok_json(&serde_json::json!({"flushed_blocks": dropped, "scope": parsed.scope})))
+    Ok(ok_json(
+        &serde_json::json!({"flushed_blocks": dropped, "scope": parsed.scope}),
+    ))
 }
 
 pub async fn kv_events(state: Arc<ServerState>, req: Request<Incoming>) -> Response<RespBody> {
@@ -118,7 +128,13 @@ pub async fn kv_events(state: Arc<ServerState>, req: Request<Incoming>) -> Respo
             .map(|(scope, hash)| serde_json::json!({"scope": scope, "hash": hash}))
             .collect();
         let snapshot = serde_json::json!({"seq": seq, "blocks": blocks});
-        if tx.send(Bytes::from(format!("event: snapshot\ndata: {snapshot}\n\n"))).await.is_err() {
+        if tx
+            .send(Bytes::from(format!(
+                "event: snapshot\ndata: {snapshot}\n\n"
+            )))
+            .await
+            .is_err()
+        {
             return;
         }
         loop {

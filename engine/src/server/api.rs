@@ -29,16 +29,25 @@ pub fn models<B>(state: &ServerState, req: &Request<B>) -> Response<RespBody> {
     if let Err(e) = check_engine_token(state, req) {
         return error_response(&e);
     }
-    let card = ModelCard::new(&state.model_id, state.started, "kvgate", Some(state.context_len as u32));
+    let card = ModelCard::new(
+        &state.model_id,
+        state.started,
+        "kvgate",
+        Some(state.context_len as u32),
+    );
     ok_json(&ModelList::new(vec![card]))
 }
 
 pub async fn completions(state: Arc<ServerState>, req: Request<Incoming>) -> Response<RespBody> {
-    generate(state, req, Kind::Completion).await.unwrap_or_else(|e| error_response(&e))
+    generate(state, req, Kind::Completion)
+        .await
+        .unwrap_or_else(|e| error_response(&e))
 }
 
 pub async fn chat(state: Arc<ServerState>, req: Request<Incoming>) -> Response<RespBody> {
-    generate(state, req, Kind::Chat).await.unwrap_or_else(|e| error_response(&e))
+    generate(state, req, Kind::Chat)
+        .await
+        .unwrap_or_else(|e| error_response(&e))
 }
 
 fn check_engine_token<B>(state: &ServerState, req: &Request<B>) -> Result<(), ApiError> {
@@ -59,23 +68,34 @@ struct Tenancy {
 }
 
 fn tenancy<B>(req: &Request<B>) -> Result<Tenancy, ApiError> {
-    let tenant = http::header_str(req, "x-kvgate-tenant").unwrap_or("default").to_owned();
-    let scope = http::header_str(req, "x-kvgate-scope").map_or_else(|| tenant.clone(), str::to_owned);
+    let tenant = http::header_str(req, "x-kvgate-tenant")
+        .unwrap_or("default")
+        .to_owned();
+    let scope =
+        http::header_str(req, "x-kvgate-scope").map_or_else(|| tenant.clone(), str::to_owned);
     let priority = match http::header_str(req, "x-kvgate-priority") {
         None => 1.0,
         Some(p) => p
             .parse::<f64>()
             .ok()
             .filter(|p| p.is_finite() && *p > 0.0)
-            .ok_or_else(|| ApiError::invalid_value("x-kvgate-priority", "must be a positive number"))?,
+            .ok_or_else(|| {
+                ApiError::invalid_value("x-kvgate-priority", "must be a positive number")
+            })?,
     };
-    let kv_quota = match http::header_str(req, "x-kvgate-kv-quota") {
-        None => None,
-        Some(q) => Some(q.parse::<u32>().map_err(|_| {
-            ApiError::invalid_value("x-kvgate-kv-quota", "must be a block count")
-        })?),
-    };
-    Ok(Tenancy { tenant, scope, priority, kv_quota })
+    let kv_quota =
+        match http::header_str(req, "x-kvgate-kv-quota") {
+            None => None,
+            Some(q) => Some(q.parse::<u32>().map_err(|_| {
+                ApiError::invalid_value("x-kvgate-kv-quota", "must be a block count")
+            })?),
+        };
+    Ok(Tenancy {
+        tenant,
+        scope,
+        priority,
+        kv_quota,
+    })
 }
 
 struct Prepared {
@@ -86,7 +106,8 @@ struct Prepared {
 }
 
 fn prepare(state: &ServerState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError> {
-    let tokenize = |e: kvgate_protocol::prompt::PromptError| ApiError::invalid_value("prompt", e.to_string());
+    let tokenize =
+        |e: kvgate_protocol::prompt::PromptError| ApiError::invalid_value("prompt", e.to_string());
     match kind {
         Kind::Completion => {
             let req = CompletionRequest::parse(body)?;
@@ -99,7 +120,12 @@ fn prepare(state: &ServerState, kind: Kind, body: &[u8]) -> Result<Prepared, Api
                 PromptInput::Text(t) => state.renderer.encode(&t).map_err(tokenize)?,
                 PromptInput::Tokens(t) => t,
             };
-            Ok(Prepared { prompt, params: input.params, stream: input.stream, include_usage: input.include_usage })
+            Ok(Prepared {
+                prompt,
+                params: input.params,
+                stream: input.stream,
+                include_usage: input.include_usage,
+            })
         }
         Kind::Chat => {
             let req = ChatCompletionRequest::parse(body)?;
@@ -111,7 +137,12 @@ fn prepare(state: &ServerState, kind: Kind, body: &[u8]) -> Result<Prepared, Api
                 .renderer
                 .encode_chat(&input.messages)
                 .map_err(|e| ApiError::invalid_value("messages", e.to_string()))?;
-            Ok(Prepared { prompt, params: input.params, stream: input.stream, include_usage: input.include_usage })
+            Ok(Prepared {
+                prompt,
+                params: input.params,
+                stream: input.stream,
+                include_usage: input.include_usage,
+            })
         }
     }
 }
@@ -132,7 +163,11 @@ impl Drop for Inflight {
     }
 }
 
-async fn generate(state: Arc<ServerState>, req: Request<Incoming>, kind: Kind) -> Result<Response<RespBody>, ApiError> {
+async fn generate(
+    state: Arc<ServerState>,
+    req: Request<Incoming>,
+    kind: Kind,
+) -> Result<Response<RespBody>, ApiError> {
     if state.is_draining() {
         return Err(ApiError::draining());
     }
@@ -147,12 +182,16 @@ async fn generate(state: Arc<ServerState>, req: Request<Incoming>, kind: Kind) -
     let n = p.params.n;
     let logprobs = p.params.logprobs.is_some();
     state.inflight.fetch_add(1, Ordering::SeqCst);
-    let guard = Inflight { state: state.clone(), id, finished: false };
+    let guard = Inflight {
+        state: state.clone(),
+        id,
+        finished: false,
+    };
     state
         .commands
         .send(Command::Submit(
             id,
-            Submit {
+            Box::new(Submit {
                 tenant: who.tenant,
                 scope: who.scope,
                 priority: who.priority,
@@ -161,10 +200,17 @@ async fn generate(state: Arc<ServerState>, req: Request<Incoming>, kind: Kind) -
                 params: p.params,
                 max_tokens,
                 events: tx,
-            },
+            }),
         ))
         .map_err(|_| ApiError::unavailable("The engine is not running."))?;
-    let out = Output { state: state.clone(), kind, id: format!("{}-{}", prefix(kind), id.0), created: now(), n, logprobs };
+    let out = Output {
+        state: state.clone(),
+        kind,
+        id: format!("{}-{}", prefix(kind), id.0),
+        created: now(),
+        n,
+        logprobs,
+    };
     if p.stream {
         let (body_tx, body) = stream_channel(64);
         tokio::spawn(out.stream(rx, body_tx, guard, p.include_usage));
@@ -215,7 +261,9 @@ impl Output {
             token_logprobs: tokens.iter().map(|(_, _, l)| l.logprob).collect(),
             top_logprobs: tokens
                 .iter()
-                .map(|(_, _, l)| TopLogprobMap::new(l.top.iter().map(|(id, lp)| (self.token_text(*id), *lp))))
+                .map(|(_, _, l)| {
+                    TopLogprobMap::new(l.top.iter().map(|(id, lp)| (self.token_text(*id), *lp)))
+                })
                 .collect(),
             text_offset: tokens.iter().map(|(_, off, _)| *off as u32).collect(),
         }
@@ -240,7 +288,11 @@ impl Output {
                             .iter()
                             .map(|(id, lp)| {
                                 let (bytes, token, logprob) = entry(*id, *lp);
-                                TopLogprob { token, logprob, bytes: Some(bytes) }
+                                TopLogprob {
+                                    token,
+                                    logprob,
+                                    bytes: Some(bytes),
+                                }
                             })
                             .collect(),
                     }
@@ -249,25 +301,47 @@ impl Output {
         }
     }
 
-    async fn collect(self, mut rx: mpsc::UnboundedReceiver<Event>, mut guard: Inflight, _prompt_len: usize) -> Result<Response<RespBody>, ApiError> {
+    async fn collect(
+        self,
+        mut rx: mpsc::UnboundedReceiver<Event>,
+        mut guard: Inflight,
+        _prompt_len: usize,
+    ) -> Result<Response<RespBody>, ApiError> {
         let mut choices: Vec<Choice> = (0..self.n).map(|_| Choice::default()).collect();
         while let Some(ev) = rx.recv().await {
             match ev {
-                Event::Token { index, token, text, logprobs } => {
+                Event::Token {
+                    index,
+                    token,
+                    text,
+                    logprobs,
+                } => {
                     let c = &mut choices[index as usize];
                     if let Some(l) = logprobs.filter(|_| self.logprobs) {
                         c.tokens.push((token, c.text.len(), l));
                     }
                     c.text.push_str(&text);
                 }
-                Event::Finished { index, reason, text } => {
+                Event::Finished {
+                    index,
+                    reason,
+                    text,
+                } => {
                     let c = &mut choices[index as usize];
                     c.text.push_str(&text);
                     c.finish = Some(reason);
                 }
-                Event::Done { prompt_tokens, completion_tokens, cached_tokens } => {
+                Event::Done {
+                    prompt_tokens,
+                    completion_tokens,
+                    cached_tokens,
+                } => {
                     guard.finished = true;
-                    let usage = Usage::new(prompt_tokens as u32, completion_tokens as u32, cached_tokens as u32);
+                    let usage = Usage::new(
+                        prompt_tokens as u32,
+                        completion_tokens as u32,
+                        cached_tokens as u32,
+                    );
                     return Ok(self.full_response(choices, usage));
                 }
                 Event::Failed(e) => {
@@ -276,7 +350,9 @@ impl Output {
                 }
             }
         }
-        Err(ApiError::internal("The engine stopped before the request finished."))
+        Err(ApiError::internal(
+            "The engine stopped before the request finished.",
+        ))
     }
 
     fn full_response(&self, choices: Vec<Choice>, usage: Usage) -> Response<RespBody> {
@@ -293,7 +369,13 @@ impl Output {
                         finish_reason: c.finish,
                     })
                     .collect();
-                ok_json(&CompletionResponse::new(&self.id, self.created, model, choices, usage))
+                ok_json(&CompletionResponse::new(
+                    &self.id,
+                    self.created,
+                    model,
+                    choices,
+                    usage,
+                ))
             }
             Kind::Chat => {
                 let choices = choices
@@ -301,15 +383,33 @@ impl Output {
                     .enumerate()
                     .map(|(i, c)| {
                         let lp = self.logprobs.then(|| self.chat_logprobs(&c.tokens));
-                        ChatChoice::new(i as u32, c.text, lp, c.finish.unwrap_or(FinishReason::Stop))
+                        ChatChoice::new(
+                            i as u32,
+                            c.text,
+                            lp,
+                            c.finish.unwrap_or(FinishReason::Stop),
+                        )
                     })
                     .collect();
-                ok_json(&ChatCompletionResponse::new(&self.id, self.created, model, choices, usage))
+                ok_json(&ChatCompletionResponse::new(
+                    &self.id,
+                    self.created,
+                    model,
+                    choices,
+                    usage,
+                ))
             }
         }
     }
 
-    fn chunk(&self, index: u32, text: String, finish: Option<FinishReason>, lp: Option<(u32, usize, TokenLogprobs)>, first: bool) -> String {
+    fn chunk(
+        &self,
+        index: u32,
+        text: String,
+        finish: Option<FinishReason>,
+        lp: Option<(u32, usize, TokenLogprobs)>,
+        first: bool,
+    ) -> String {
         let model = &self.state.model_id;
         let lps: Vec<_> = lp.into_iter().collect();
         match self.kind {
@@ -327,26 +427,53 @@ impl Output {
             Kind::Chat => {
                 let mut out = String::new();
                 if first {
-                    out.push_str(&sse_event(&ChatCompletionChunk::new(&self.id, self.created, model, vec![ChatChunkChoice::role(index)])));
+                    out.push_str(&sse_event(&ChatCompletionChunk::new(
+                        &self.id,
+                        self.created,
+                        model,
+                        vec![ChatChunkChoice::role(index)],
+                    )));
                 }
                 let choice = match finish {
                     Some(r) => ChatChunkChoice::finish(index, text, r),
-                    None => ChatChunkChoice::content(index, text, (!lps.is_empty()).then(|| self.chat_logprobs(&lps))),
+                    None => ChatChunkChoice::content(
+                        index,
+                        text,
+                        (!lps.is_empty()).then(|| self.chat_logprobs(&lps)),
+                    ),
                 };
-                out.push_str(&sse_event(&ChatCompletionChunk::new(&self.id, self.created, model, vec![choice])));
+                out.push_str(&sse_event(&ChatCompletionChunk::new(
+                    &self.id,
+                    self.created,
+                    model,
+                    vec![choice],
+                )));
                 out
             }
         }
     }
 
-    async fn stream(self, mut rx: mpsc::UnboundedReceiver<Event>, body: mpsc::Sender<Bytes>, mut guard: Inflight, include_usage: bool) {
+    async fn stream(
+        self,
+        mut rx: mpsc::UnboundedReceiver<Event>,
+        body: mpsc::Sender<Bytes>,
+        mut guard: Inflight,
+        include_usage: bool,
+    ) {
         let mut started = vec![false; self.n as usize];
         let mut offsets = vec![0usize; self.n as usize];
         while let Some(ev) = rx.recv().await {
             let frame = match ev {
-                Event::Token { index, token, text, logprobs } => {
+                Event::Token {
+                    index,
+                    token,
+                    text,
+                    logprobs,
+                } => {
                     let i = index as usize;
-                    let lp = logprobs.filter(|_| self.logprobs).map(|l| (token, offsets[i], l));
+                    let lp = logprobs
+                        .filter(|_| self.logprobs)
+                        .map(|l| (token, offsets[i], l));
                     if text.is_empty() && lp.is_none() && started[i] {
                         continue;
                     }
@@ -354,19 +481,41 @@ impl Output {
                     let first = !std::mem::replace(&mut started[i], true);
                     self.chunk(index, text, None, lp, first)
                 }
-                Event::Finished { index, reason, text } => {
+                Event::Finished {
+                    index,
+                    reason,
+                    text,
+                } => {
                     let first = !std::mem::replace(&mut started[index as usize], true);
                     self.chunk(index, text, Some(reason), None, first)
                 }
-                Event::Done { prompt_tokens, completion_tokens, cached_tokens } => {
+                Event::Done {
+                    prompt_tokens,
+                    completion_tokens,
+                    cached_tokens,
+                } => {
                     guard.finished = true;
                     let mut out = String::new();
                     if include_usage {
-                        let usage = Usage::new(prompt_tokens as u32, completion_tokens as u32, cached_tokens as u32);
+                        let usage = Usage::new(
+                            prompt_tokens as u32,
+                            completion_tokens as u32,
+                            cached_tokens as u32,
+                        );
                         let model = &self.state.model_id;
                         out.push_str(&match self.kind {
-                            Kind::Completion => sse_event(&CompletionChunk::usage(&self.id, self.created, model, usage)),
-                            Kind::Chat => sse_event(&ChatCompletionChunk::usage(&self.id, self.created, model, usage)),
+                            Kind::Completion => sse_event(&CompletionChunk::usage(
+                                &self.id,
+                                self.created,
+                                model,
+                                usage,
+                            )),
+                            Kind::Chat => sse_event(&ChatCompletionChunk::usage(
+                                &self.id,
+                                self.created,
+                                model,
+                                usage,
+                            )),
                         });
                     }
                     out.push_str(SSE_DONE);

@@ -148,7 +148,10 @@ impl EngineConfig {
             ));
         }
         if !["f32", "f16", "bf16"].contains(&self.dtype.as_str()) {
-            return Err(format!("dtype: {:?} (expected f32, f16 or bf16)", self.dtype));
+            return Err(format!(
+                "dtype: {:?} (expected f32, f16 or bf16)",
+                self.dtype
+            ));
         }
         if !(1..=256).contains(&self.kv.block_size) {
             return Err("kv.block_size: must be 1 to 256".into());

@@ -46,8 +46,10 @@ pub fn full(body: impl Into<Bytes>) -> RespBody {
 pub fn json_response(status: StatusCode, json: String) -> Response<RespBody> {
     let mut r = Response::new(full(json));
     *r.status_mut() = status;
-    r.headers_mut()
-        .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
     r
 }
 
@@ -60,8 +62,10 @@ pub fn ok_json<T: serde::Serialize>(value: &T) -> Response<RespBody> {
 
 pub fn text_response(content_type: &'static str, text: String) -> Response<RespBody> {
     let mut r = Response::new(full(text));
-    r.headers_mut()
-        .insert(header::CONTENT_TYPE, header::HeaderValue::from_static(content_type));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static(content_type),
+    );
     r
 }
 
@@ -78,8 +82,14 @@ pub fn error_response(e: &ApiError) -> Response<RespBody> {
 pub fn sse_response(body: RespBody) -> Response<RespBody> {
     let mut r = Response::new(body);
     let h = r.headers_mut();
-    h.insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/event-stream"));
-    h.insert(header::CACHE_CONTROL, header::HeaderValue::from_static("no-cache"));
+    h.insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(
+        header::CACHE_CONTROL,
+        header::HeaderValue::from_static("no-cache"),
+    );
     r
 }
 
@@ -97,7 +107,10 @@ pub async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Ap
     }
     match Limited::new(req.into_body(), limit).collect().await {
         Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
             Err(ApiError::payload_too_large(limit))
         }
         Err(e) => Err(ApiError::new(

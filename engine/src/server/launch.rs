@@ -99,14 +99,26 @@ pub fn start(config: &EngineConfig, dir: &Path) -> Result<Arc<ServerState>, Laun
         },
         kv,
     );
-    let metrics = Arc::new(Metrics::new(&model_id, &config.device, block_size, num_blocks));
+    let metrics = Arc::new(Metrics::new(
+        &model_id,
+        &config.device,
+        block_size,
+        num_blocks,
+    ));
     let (kv_tx, _) = broadcast::channel(4096);
     let mut eos = model_config.eos_token_ids.clone();
     eos.extend(renderer.eos_token_id());
     eos.sort_unstable();
     eos.dedup();
     let (tx, rx) = std::sync::mpsc::channel();
-    let worker = Worker::new(sched, model, renderer.clone(), eos, metrics.clone(), kv_tx.clone());
+    let worker = Worker::new(
+        sched,
+        model,
+        renderer.clone(),
+        eos,
+        metrics.clone(),
+        kv_tx.clone(),
+    );
     std::thread::Builder::new()
         .name("kvgate-engine".into())
         .spawn(move || worker.run(rx))

@@ -21,8 +21,12 @@ pub struct Histogram {
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
-const DURATION_BUCKETS: &[f64] = &[0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
-const TOKEN_BUCKETS: &[f64] = &[1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0];
+const DURATION_BUCKETS: &[f64] = &[
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+const TOKEN_BUCKETS: &[f64] = &[
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0,
+];
 
 impl Histogram {
     fn new(bounds: &'static [f64]) -> Self {
@@ -148,7 +152,14 @@ fn scalar(out: &mut String, name: &str, kind: &str, help: &str, v: impl std::fmt
     let _ = writeln!(out, "{name} {v}");
 }
 
-fn by_label(out: &mut String, name: &str, kind: &str, help: &str, label: &str, values: &[(&str, f64)]) {
+fn by_label(
+    out: &mut String,
+    name: &str,
+    kind: &str,
+    help: &str,
+    label: &str,
+    values: &[(&str, f64)],
+) {
     header(out, name, kind, help);
     for (l, v) in values {
         let _ = writeln!(out, "{name}{{{label}=\"{}\"}} {v}", escape(l));
@@ -156,7 +167,9 @@ fn by_label(out: &mut String, name: &str, kind: &str, help: &str, label: &str, v
 }
 
 fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 fn tenant_map(m: &BTreeMap<String, u64>) -> Vec<(&str, f64)> {
@@ -166,41 +179,152 @@ fn tenant_map(m: &BTreeMap<String, u64>) -> Vec<(&str, f64)> {
 fn render(m: &MetricsState) -> String {
     let mut o = String::with_capacity(8192);
     let cap = m.blocks_capacity.max(1) as f64;
-    by_label(&mut o, "kvgate_kv_blocks", "gauge", "KV blocks by state.", "state", &[
-        ("used", m.blocks_used as f64),
-        ("cached", m.blocks_cached as f64),
-        ("free", m.blocks_free as f64),
-    ]);
-    scalar(&mut o, "kvgate_kv_blocks_capacity", "gauge", "KV blocks in the device pool.", m.blocks_capacity);
-    scalar(&mut o, "kvgate_kv_usage_ratio", "gauge", "Allocated KV blocks over capacity.", m.blocks_used as f64 / cap);
+    by_label(
+        &mut o,
+        "kvgate_kv_blocks",
+        "gauge",
+        "KV blocks by state.",
+        "state",
+        &[
+            ("used", m.blocks_used as f64),
+            ("cached", m.blocks_cached as f64),
+            ("free", m.blocks_free as f64),
+        ],
+    );
+    scalar(
+        &mut o,
+        "kvgate_kv_blocks_capacity",
+        "gauge",
+        "KV blocks in the device pool.",
+        m.blocks_capacity,
+    );
+    scalar(
+        &mut o,
+        "kvgate_kv_usage_ratio",
+        "gauge",
+        "Allocated KV blocks over capacity.",
+        m.blocks_used as f64 / cap,
+    );
     let allocated_slots = (m.blocks_used * m.block_size).max(1) as f64;
-    let util = if m.blocks_used == 0 { 0.0 } else { m.filled_slots as f64 / allocated_slots };
-    scalar(&mut o, "kvgate_kv_token_utilization_ratio", "gauge", "Filled token slots over allocated slots.", util);
-    by_label(&mut o, "kvgate_prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.", "tenant", &tenant_map(&m.queried_tokens));
-    by_label(&mut o, "kvgate_prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.", "tenant", &tenant_map(&m.hit_tokens));
-    scalar(&mut o, "kvgate_kv_evicted_blocks_total", "counter", "Cached blocks evicted for reuse.", m.evicted_blocks);
-    scalar(&mut o, "kvgate_kv_cow_copies_total", "counter", "Copy-on-write block copies.", m.cow_copies);
-    by_label(&mut o, "kvgate_preemptions_total", "counter", "Preempted sequence groups by mode.", "mode", &[
-        ("recompute", m.preemptions_recompute as f64),
-        ("swap", m.preemptions_swap as f64),
-    ]);
-    by_label(&mut o, "kvgate_swapped_blocks_total", "counter", "Blocks copied between device and host.", "direction", &[
-        ("out", m.swapped_out_blocks as f64),
-        ("in", m.swapped_in_blocks as f64),
-    ]);
-    by_label(&mut o, "kvgate_sequences", "gauge", "Sequence groups by state.", "state", &[
-        ("running", m.running as f64),
-        ("waiting", m.waiting as f64),
-        ("swapped", m.swapped as f64),
-    ]);
-    by_label(&mut o, "kvgate_tenant_kv_blocks", "gauge", "KV blocks held per tenant.", "tenant", &tenant_map(&m.tenant_blocks));
-    scalar(&mut o, "kvgate_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", m.prompt_tokens);
-    scalar(&mut o, "kvgate_generation_tokens_total", "counter", "Generated tokens.", m.generation_tokens);
+    let util = if m.blocks_used == 0 {
+        0.0
+    } else {
+        m.filled_slots as f64 / allocated_slots
+    };
+    scalar(
+        &mut o,
+        "kvgate_kv_token_utilization_ratio",
+        "gauge",
+        "Filled token slots over allocated slots.",
+        util,
+    );
+    by_label(
+        &mut o,
+        "kvgate_prefix_cache_queried_tokens_total",
+        "counter",
+        "Prompt tokens looked up in the prefix cache.",
+        "tenant",
+        &tenant_map(&m.queried_tokens),
+    );
+    by_label(
+        &mut o,
+        "kvgate_prefix_cache_hit_tokens_total",
+        "counter",
+        "Prompt tokens found in the prefix cache.",
+        "tenant",
+        &tenant_map(&m.hit_tokens),
+    );
+    scalar(
+        &mut o,
+        "kvgate_kv_evicted_blocks_total",
+        "counter",
+        "Cached blocks evicted for reuse.",
+        m.evicted_blocks,
+    );
+    scalar(
+        &mut o,
+        "kvgate_kv_cow_copies_total",
+        "counter",
+        "Copy-on-write block copies.",
+        m.cow_copies,
+    );
+    by_label(
+        &mut o,
+        "kvgate_preemptions_total",
+        "counter",
+        "Preempted sequence groups by mode.",
+        "mode",
+        &[
+            ("recompute", m.preemptions_recompute as f64),
+            ("swap", m.preemptions_swap as f64),
+        ],
+    );
+    by_label(
+        &mut o,
+        "kvgate_swapped_blocks_total",
+        "counter",
+        "Blocks copied between device and host.",
+        "direction",
+        &[
+            ("out", m.swapped_out_blocks as f64),
+            ("in", m.swapped_in_blocks as f64),
+        ],
+    );
+    by_label(
+        &mut o,
+        "kvgate_sequences",
+        "gauge",
+        "Sequence groups by state.",
+        "state",
+        &[
+            ("running", m.running as f64),
+            ("waiting", m.waiting as f64),
+            ("swapped", m.swapped as f64),
+        ],
+    );
+    by_label(
+        &mut o,
+        "kvgate_tenant_kv_blocks",
+        "gauge",
+        "KV blocks held per tenant.",
+        "tenant",
+        &tenant_map(&m.tenant_blocks),
+    );
+    scalar(
+        &mut o,
+        "kvgate_prompt_tokens_total",
+        "counter",
+        "Prompt tokens of finished requests.",
+        m.prompt_tokens,
+    );
+    scalar(
+        &mut o,
+        "kvgate_generation_tokens_total",
+        "counter",
+        "Generated tokens.",
+        m.generation_tokens,
+    );
     for (name, help, h) in [
-        ("kvgate_time_to_first_token_seconds", "Time from arrival to the first token.", &m.ttft),
-        ("kvgate_inter_token_latency_seconds", "Time between tokens of one sequence.", &m.itl),
-        ("kvgate_request_duration_seconds", "Time from arrival to the last token.", &m.request_duration),
-        ("kvgate_batch_tokens", "Tokens per engine step.", &m.batch_tokens),
+        (
+            "kvgate_time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+            &m.ttft,
+        ),
+        (
+            "kvgate_inter_token_latency_seconds",
+            "Time between tokens of one sequence.",
+            &m.itl,
+        ),
+        (
+            "kvgate_request_duration_seconds",
+            "Time from arrival to the last token.",
+            &m.request_duration,
+        ),
+        (
+            "kvgate_batch_tokens",
+            "Tokens per engine step.",
+            &m.batch_tokens,
+        ),
     ] {
         header(&mut o, name, "histogram", help);
         h.render(&mut o, name);
@@ -229,13 +353,22 @@ mod tests {
         });
         let text = m.render();
         for name in [
-            "kvgate_kv_blocks{state=\"used\"}", "kvgate_kv_blocks_capacity 100", "kvgate_kv_usage_ratio",
-            "kvgate_kv_token_utilization_ratio", "kvgate_prefix_cache_hit_tokens_total{tenant=\"acme\"} 32",
-            "kvgate_kv_evicted_blocks_total", "kvgate_kv_cow_copies_total", "kvgate_preemptions_total{mode=\"swap\"}",
-            "kvgate_swapped_blocks_total{direction=\"in\"}", "kvgate_sequences{state=\"waiting\"}",
-            "kvgate_prompt_tokens_total", "kvgate_generation_tokens_total",
-            "kvgate_time_to_first_token_seconds_bucket{le=\"0.025\"} 1", "kvgate_inter_token_latency_seconds_count",
-            "kvgate_request_duration_seconds_sum", "kvgate_batch_tokens_bucket",
+            "kvgate_kv_blocks{state=\"used\"}",
+            "kvgate_kv_blocks_capacity 100",
+            "kvgate_kv_usage_ratio",
+            "kvgate_kv_token_utilization_ratio",
+            "kvgate_prefix_cache_hit_tokens_total{tenant=\"acme\"} 32",
+            "kvgate_kv_evicted_blocks_total",
+            "kvgate_kv_cow_copies_total",
+            "kvgate_preemptions_total{mode=\"swap\"}",
+            "kvgate_swapped_blocks_total{direction=\"in\"}",
+            "kvgate_sequences{state=\"waiting\"}",
+            "kvgate_prompt_tokens_total",
+            "kvgate_generation_tokens_total",
+            "kvgate_time_to_first_token_seconds_bucket{le=\"0.025\"} 1",
+            "kvgate_inter_token_latency_seconds_count",
+            "kvgate_request_duration_seconds_sum",
+            "kvgate_batch_tokens_bucket",
             "kvgate_engine_info{model=\"smollm2\",block_size=\"16\",device=\"cpu\"} 1",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");

@@ -25,8 +25,11 @@ impl Detokenizer {
         let before = renderer
             .decode(&self.ids[self.prefix..self.read])
             .unwrap_or_default();
-        let after = renderer.decode(&self.ids[self.prefix..]).unwrap_or_default();
-        if after.len() > before.len() && !after.ends_with('\u{FFFD}') && after.starts_with(&before) {
+        let after = renderer
+            .decode(&self.ids[self.prefix..])
+            .unwrap_or_default();
+        if after.len() > before.len() && !after.ends_with('\u{FFFD}') && after.starts_with(&before)
+        {
             self.text.push_str(&after[before.len()..]);
             self.prefix = self.read;
             self.read = self.ids.len();

@@ -24,7 +24,10 @@ pub fn smollm2_gguf() -> Option<PathBuf> {
         "{} is missing: scripts/test fetches it",
         path.display()
     );
-    eprintln!("skipped: {} is missing (run scripts/test once)", path.display());
+    eprintln!(
+        "skipped: {} is missing (run scripts/test once)",
+        path.display()
+    );
     None
 }
 
@@ -50,4 +53,6 @@ pub const GOLDEN_CHAT_PROMPT_HEAD: [u32; 6] = [1, 9690, 198, 2683, 359, 253];
 pub const GOLDEN_CHAT_PROMPT_TAIL: [u32; 6] = [2, 198, 1, 520, 9531, 198];
 pub const GOLDEN_CHAT_ANSWER: [u32; 7] = [504, 3575, 282, 4649, 314, 7042, 30];
 pub const GOLDEN_FOX_PROMPT: [u32; 4] = [504, 2365, 6354, 16438];
-pub const GOLDEN_FOX_ANSWER: [u32; 12] = [351, 253, 2365, 6354, 7012, 30, 198, 198, 504, 2798, 6330, 314];
+pub const GOLDEN_FOX_ANSWER: [u32; 12] = [
+    351, 253, 2365, 6354, 7012, 30, 198, 198, 504, 2798, 6330, 314,
+];

@@ -40,15 +40,45 @@ pub fn write_tiny_llama(dir: &Path, spec: &TinySpec, seed: u64) {
         tensors.insert(name, (shape, data));
     };
     let (h, f) = (spec.hidden, spec.ffn);
-    add("model.embed_tokens.weight".into(), vec![spec.vocab, h], 0.5, 0.0);
+    add(
+        "model.embed_tokens.weight".into(),
+        vec![spec.vocab, h],
+        0.5,
+        0.0,
+    );
     for i in 0..spec.layers {
         let p = format!("model.layers.{i}");
         add(format!("{p}.input_layernorm.weight"), vec![h], 0.2, 1.0);
-        add(format!("{p}.post_attention_layernorm.weight"), vec![h], 0.2, 1.0);
-        add(format!("{p}.self_attn.q_proj.weight"), vec![spec.heads * hd, h], 0.15, 0.0);
-        add(format!("{p}.self_attn.k_proj.weight"), vec![spec.kv_heads * hd, h], 0.15, 0.0);
-        add(format!("{p}.self_attn.v_proj.weight"), vec![spec.kv_heads * hd, h], 0.15, 0.0);
-        add(format!("{p}.self_attn.o_proj.weight"), vec![h, spec.heads * hd], 0.15, 0.0);
+        add(
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            0.2,
+            1.0,
+        );
+        add(
+            format!("{p}.self_attn.q_proj.weight"),
+            vec![spec.heads * hd, h],
+            0.15,
+            0.0,
+        );
+        add(
+            format!("{p}.self_attn.k_proj.weight"),
+            vec![spec.kv_heads * hd, h],
+            0.15,
+            0.0,
+        );
+        add(
+            format!("{p}.self_attn.v_proj.weight"),
+            vec![spec.kv_heads * hd, h],
+            0.15,
+            0.0,
+        );
+        add(
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![h, spec.heads * hd],
+            0.15,
+            0.0,
+        );
         add(format!("{p}.mlp.gate_proj.weight"), vec![f, h], 0.15, 0.0);
         add(format!("{p}.mlp.up_proj.weight"), vec![f, h], 0.15, 0.0);
         add(format!("{p}.mlp.down_proj.weight"), vec![h, f], 0.15, 0.0);
@@ -60,7 +90,10 @@ pub fn write_tiny_llama(dir: &Path, spec: &TinySpec, seed: u64) {
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(name, (shape, data))| {
-            (name.clone(), TensorView::new(Dtype::F32, shape.clone(), data).expect("view"))
+            (
+                name.clone(),
+                TensorView::new(Dtype::F32, shape.clone(), data).expect("view"),
+            )
         })
         .collect();
     std::fs::create_dir_all(dir).unwrap();

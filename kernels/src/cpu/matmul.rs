@@ -181,5 +181,10 @@ fn add_rows<E: Elem>(b: &[E], n: usize, out: &mut [f32]) {
 
 fn tmp_gemv_max() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("KVG_GEMV_MAX").ok().and_then(|v| v.parse().ok()).unwrap_or(GEMV_MAX_ROWS))
+    *V.get_or_init(|| {
+        std::env::var("KVG_GEMV_MAX")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(GEMV_MAX_ROWS)
+    })
 }

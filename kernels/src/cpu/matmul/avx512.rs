@@ -390,7 +390,12 @@ unsafe fn transpose16(r: &mut [__m512; 16]) {
 
 fn tmp_pf() -> usize {
     static PF: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *PF.get_or_init(|| std::env::var("KVG_PF").ok().and_then(|v| v.parse().ok()).unwrap_or(PREFETCH_BYTES))
+    *PF.get_or_init(|| {
+        std::env::var("KVG_PF")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(PREFETCH_BYTES)
+    })
 }
 
 fn tmp_nr8() -> bool {
