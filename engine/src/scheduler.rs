@@ -26,3 +26,6 @@ pub use self::core::{NewGroup, Scheduler, SchedulerConfig, SchedulerStats};
 pub use fairness::TenantId;
 pub use plan::{PreemptMode, StepItem, StepPlan};
 pub use sequence::{FinishReason, GroupId, SeqGroup, SeqStatus, Sequence};
+
+#[cfg(test)]
+mod tests;

@@ -325,8 +325,6 @@ impl Scheduler {
     /// budget or the memory ran out.
     fn prefill_group(&mut self, gid: GroupId, plan: &mut StepPlan, budget: &mut Budget) -> bool {
         let group = self.groups.get_mut(&gid).expect("group");
-        let tenant = group.tenant;
-        let mut served = 0;
         let mut complete = true;
         for seq in group.seqs.iter_mut().filter(|s| s.finished.is_none()) {
             let want = seq.num_uncomputed();
@@ -360,12 +358,10 @@ impl Scheduler {
                 sample: len == want,
             });
             seq.num_computed += len;
-            served += len;
             budget.tokens -= len;
             budget.seqs -= 1;
             complete &= len == want;
         }
-        self.waiting.charge(tenant, served);
         complete && budget.tokens > 0 && budget.seqs > 0
     }
 
@@ -392,6 +388,10 @@ impl Scheduler {
                 Err(_) => return, // out of blocks: nobody else fits better in FIFO order
             }
             self.waiting.pop_front(tenant);
+            // Fairness counts the work a tenant asks for (its prompt tokens), cached or not, so
+            // a tenant whose requests hit the cache cannot take every free slot.
+            let work: usize = self.groups[&gid].live().map(|s| s.tokens.len()).sum();
+            self.waiting.charge(tenant, work);
             let group = self.groups.get_mut(&gid).expect("group");
             group.status = SeqStatus::Running;
             let arrival = group.arrival;

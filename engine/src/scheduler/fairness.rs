@@ -1,5 +1,5 @@
 //! Weighted fair queuing across tenants: each tenant's waiting groups in FIFO order, and a virtual
-//! clock per tenant that advances by the prefill tokens it is served divided by its weight. The
+//! clock per tenant that advances by the prompt tokens it is admitted with divided by its weight. The
 //! next group comes from the tenant with the smallest clock, so a tenant flooding the engine
 //! cannot starve one that sends a few requests. A tenant that starts waiting again resumes at no
 //! less than the smallest active clock, so idling earns no burst credit. O(tenants) per pick.
