@@ -43,6 +43,11 @@ pub(super) unsafe fn gemv<E: Elem>(
     let (xp, wp) = (x.as_ptr(), w.as_ptr());
     let mut j = n0;
     let wide = d.m == 1 && tmp_nr8();
+    if d.m == 1 && tmp_seq() {
+        // SAFETY: forwarded from the caller.
+        unsafe { gemv_rows(xp, wp, d.k, n0, n1, out) };
+        return;
+    }
     while j < n1 {
         if wide && n1 - j >= 8 {
             // SAFETY: row 0 of x and rows j..j+8 of w exist; out is valid per the caller.
@@ -71,6 +76,51 @@ pub(super) unsafe fn gemv<E: Elem>(
             i += mr;
         }
         j += nr;
+    }
+}
+
+/// m = 1: `out[j] = dot(x, w row j)` for j in n0..n1, one row at a time with four
+/// accumulators along k, so the weights are read as one sequential stream; 16 rows' sums are
+/// reduced together.
+#[inline(always)]
+unsafe fn gemv_rows<E: Elem>(x: *const f32, w: *const E, k: usize, n0: usize, n1: usize, out: *mut f32) {
+    // SAFETY (whole body): x has k values, rows n0..n1 of w have k values each, out has n1
+    // values; AVX-512F per the caller.
+    unsafe {
+        let k64 = k & !63;
+        let mut sums = [_mm512_setzero_ps(); 16];
+        let mut j = n0;
+        while j < n1 {
+            let rows = (n1 - j).min(16);
+            for (r, sum) in sums.iter_mut().enumerate().take(rows) {
+                let wr = w.add((j + r) * k);
+                let mut a = [_mm512_setzero_ps(); 4];
+                let mut p = 0;
+                while p < k64 {
+                    for (u, acc) in a.iter_mut().enumerate() {
+                        let q = p + 16 * u;
+                        *acc = _mm512_fmadd_ps(_mm512_loadu_ps(x.add(q)), E::load16(wr.add(q)), *acc);
+                    }
+                    p += 64;
+                }
+                while p + 16 <= k {
+                    a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x.add(p)), E::load16(wr.add(p)), a[0]);
+                    p += 16;
+                }
+                if p < k {
+                    let (xv, wv) = (load_partial(x.add(p), k - p), load_partial(wr.add(p), k - p));
+                    a[1] = _mm512_fmadd_ps(xv, wv, a[1]);
+                }
+                *sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+            }
+            let s = reduce16(&sums);
+            if rows == 16 {
+                _mm512_storeu_ps(out.add(j), s);
+            } else {
+                _mm512_mask_storeu_ps(out.add(j), (1u16 << rows) - 1, s);
+            }
+            j += rows;
+        }
     }
 }
 
@@ -401,4 +451,9 @@ fn tmp_pf() -> usize {
 fn tmp_nr8() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *V.get_or_init(|| std::env::var("KVG_NR8").is_ok())
+}
+
+fn tmp_seq() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("KVG_SEQ").is_ok())
 }

@@ -1,0 +1,58 @@
+//! The official `openai` Python client (installed by scripts/test into target/venv) completes a
+//! streaming and a non-streaming chat completion against a real engine.
+
+use kvgate_tests::{Engine, MODEL};
+use std::path::Path;
+use std::process::Command;
+
+const SCRIPT: &str = r#"
+import sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1], api_key="unused")
+model = sys.argv[2]
+messages = [{"role": "user", "content": "What is the capital of France?"}]
+full = client.chat.completions.create(model=model, messages=messages, temperature=0)
+print("FULL", full.choices[0].message.content)
+print("CACHED", full.usage.prompt_tokens_details.cached_tokens)
+parts = []
+usage = None
+stream = client.chat.completions.create(model=model, messages=messages, temperature=0, stream=True,
+                                        stream_options={"include_usage": True})
+for chunk in stream:
+    if chunk.choices and chunk.choices[0].delta.content:
+        parts.append(chunk.choices[0].delta.content)
+    if chunk.usage:
+        usage = chunk.usage
+print("STREAM", "".join(parts))
+print("STREAM_USAGE", usage.completion_tokens)
+models = client.models.list()
+print("MODELS", [m.id for m in models.data])
+try:
+    client.chat.completions.create(model="nope", messages=messages)
+except Exception as e:
+    print("ERROR", type(e).__name__)
+"#;
+
+#[test]
+fn the_official_openai_client_works() {
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/venv/bin/python");
+    let has_openai = python.exists()
+        && Command::new(&python).args(["-c", "import openai"]).status().is_ok_and(|s| s.success());
+    if !has_openai {
+        assert!(std::env::var_os("CI").is_none(), "scripts/test installs openai into target/venv");
+        eprintln!("skipped: target/venv has no openai package (run scripts/test)");
+        return;
+    }
+    let e = Engine::start("");
+    let out = Command::new(&python)
+        .args(["-c", SCRIPT, &format!("http://{}/v1", e.addr), MODEL])
+        .output()
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("FULL The capital of France is Paris."), "{stdout}");
+    assert!(stdout.contains("STREAM The capital of France is Paris."), "{stdout}");
+    assert!(stdout.contains("STREAM_USAGE 8"), "{stdout}");
+    assert!(stdout.contains(&format!("MODELS ['{MODEL}']")), "{stdout}");
+    assert!(stdout.contains("ERROR NotFoundError"), "{stdout}");
+}
