@@ -1,6 +1,7 @@
 //! `kvgate`: the one binary. Each subcommand wires the library crates together.
 
 mod assets;
+mod bench;
 mod engine_cmd;
 mod generate_cmd;
 mod model_cmd;
@@ -22,6 +23,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Load generator for an OpenAI-compatible server (engine or gateway).
+    Bench(bench::BenchArgs),
     /// Run one engine instance (OpenAI API, metrics, admin, KV events).
     Engine(engine_cmd::EngineArgs),
     /// Run kvgate on this machine with the default model, zero configuration.
@@ -38,6 +41,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Bench(args) => bench::run(args),
         Command::Engine(args) => engine_cmd::engine(args),
         Command::Serve(args) => engine_cmd::serve(args),
         Command::Generate(args) => generate_cmd::run(args),

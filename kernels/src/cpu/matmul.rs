@@ -86,7 +86,7 @@ fn run<E: Elem>(isa: Isa, x: &[f32], w: &[E], d: Dims, out: &mut [f32]) {
     } else {
         rayon::current_num_threads().max(1)
     };
-    let gemv = d.m <= tmp_gemv_max();
+    let gemv = d.m <= GEMV_MAX_ROWS;
     let chunk = if gemv {
         gemv_chunk(d.n, d.k, std::mem::size_of::<E>(), threads)
     } else {
@@ -177,14 +177,4 @@ fn add_rows<E: Elem>(b: &[E], n: usize, out: &mut [f32]) {
             *o += bv.to_f32();
         }
     }
-}
-
-fn tmp_gemv_max() -> usize {
-    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        std::env::var("KVG_GEMV_MAX")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(GEMV_MAX_ROWS)
-    })
 }

@@ -42,14 +42,9 @@ pub(super) unsafe fn gemv<E: Elem>(
 ) {
     let (xp, wp) = (x.as_ptr(), w.as_ptr());
     let mut j = n0;
-    let wide = d.m == 1 && tmp_nr8();
-    if d.m == 1 && tmp_seq() {
-        // SAFETY: forwarded from the caller.
-        unsafe { gemv_rows(xp, wp, d.k, n0, n1, out) };
-        return;
-    }
     while j < n1 {
-        if wide && n1 - j >= 8 {
+        // One token: eight weight rows per tile, for more independent loads in flight.
+        if d.m == 1 && n1 - j >= 8 {
             // SAFETY: row 0 of x and rows j..j+8 of w exist; out is valid per the caller.
             unsafe { dot_tile::<E, 1, 8>(xp, wp.add(j * d.k), d.k, out.add(j), d.n) };
             j += 8;
@@ -79,51 +74,6 @@ pub(super) unsafe fn gemv<E: Elem>(
     }
 }
 
-/// m = 1: `out[j] = dot(x, w row j)` for j in n0..n1, one row at a time with four
-/// accumulators along k, so the weights are read as one sequential stream; 16 rows' sums are
-/// reduced together.
-#[inline(always)]
-unsafe fn gemv_rows<E: Elem>(x: *const f32, w: *const E, k: usize, n0: usize, n1: usize, out: *mut f32) {
-    // SAFETY (whole body): x has k values, rows n0..n1 of w have k values each, out has n1
-    // values; AVX-512F per the caller.
-    unsafe {
-        let k64 = k & !63;
-        let mut sums = [_mm512_setzero_ps(); 16];
-        let mut j = n0;
-        while j < n1 {
-            let rows = (n1 - j).min(16);
-            for (r, sum) in sums.iter_mut().enumerate().take(rows) {
-                let wr = w.add((j + r) * k);
-                let mut a = [_mm512_setzero_ps(); 4];
-                let mut p = 0;
-                while p < k64 {
-                    for (u, acc) in a.iter_mut().enumerate() {
-                        let q = p + 16 * u;
-                        *acc = _mm512_fmadd_ps(_mm512_loadu_ps(x.add(q)), E::load16(wr.add(q)), *acc);
-                    }
-                    p += 64;
-                }
-                while p + 16 <= k {
-                    a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x.add(p)), E::load16(wr.add(p)), a[0]);
-                    p += 16;
-                }
-                if p < k {
-                    let (xv, wv) = (load_partial(x.add(p), k - p), load_partial(wr.add(p), k - p));
-                    a[1] = _mm512_fmadd_ps(xv, wv, a[1]);
-                }
-                *sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
-            }
-            let s = reduce16(&sums);
-            if rows == 16 {
-                _mm512_storeu_ps(out.add(j), s);
-            } else {
-                _mm512_mask_storeu_ps(out.add(j), (1u16 << rows) - 1, s);
-            }
-            j += rows;
-        }
-    }
-}
-
 /// `out[r * ldo + c] = dot(x row r, w row c)` for an `R x C` tile; rows are `k` long.
 #[inline(always)]
 unsafe fn dot_tile<E: Elem, const R: usize, const C: usize>(
@@ -143,7 +93,7 @@ unsafe fn dot_tile<E: Elem, const R: usize, const C: usize>(
         // Prefetch this far ahead in each weight row (rows are contiguous, so running past a
         // row's end fetches the start of the next tile): the hardware prefetcher alone leaves
         // DRAM and L3 latency exposed at one or two cores.
-        let ahead = tmp_pf() / std::mem::size_of::<E>();
+        let ahead = PREFETCH_BYTES / std::mem::size_of::<E>();
         while p < k16 {
             for (c, v) in wv.iter_mut().enumerate() {
                 let at = w.add(c * k + p);
@@ -436,24 +386,4 @@ unsafe fn transpose16(r: &mut [__m512; 16]) {
             }
         }
     }
-}
-
-fn tmp_pf() -> usize {
-    static PF: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *PF.get_or_init(|| {
-        std::env::var("KVG_PF")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(PREFETCH_BYTES)
-    })
-}
-
-fn tmp_nr8() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("KVG_NR8").is_ok())
-}
-
-fn tmp_seq() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("KVG_SEQ").is_ok())
 }

@@ -1,0 +1,203 @@
+//! `kvgate bench`: a load generator for any OpenAI-compatible server (an engine, a gateway).
+//!
+//! It sends streaming completions from a workload at a fixed request rate (Poisson) or with a
+//! fixed number of concurrent clients, measures time to first token, inter-token latency and
+//! throughput from the client side, reads the server's prefix-cache and preemption counters from
+//! `/metrics` before and after, and prints a table (or `--json`).
+//!
+//! Workloads:
+//! - `shared-prefix`: every request is one long few-shot prefix (about 341 tokens, like the
+//!   PagedAttention paper's translation test) plus a short question. `--no-prefix-cache` gives
+//!   every request its own cache scope (header `x-kvgate-scope`), which turns sharing off on the
+//!   same server in the same run.
+//! - `sharegpt`: first human turns of the ShareGPT file as prompts (cut to `--max-prompt-chars`),
+//!   with their answer lengths as `max_tokens` (capped by `--max-tokens`).
+
+mod client;
+mod report;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use report::{Outcome, Report};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Server base URL, e.g. http://127.0.0.1:8080.
+    #[arg(long)]
+    url: String,
+    /// Model name to send.
+    #[arg(long, default_value = "smollm2-135m-instruct")]
+    model: String,
+    /// shared-prefix or sharegpt.
+    #[arg(long, default_value = "shared-prefix")]
+    workload: String,
+    /// Requests to send.
+    #[arg(long, default_value_t = 32)]
+    requests: usize,
+    /// Concurrent clients (ignored with --rate).
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Requests per second, Poisson arrivals (default: closed loop with --concurrency).
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Stop sending after this many seconds.
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Cap on generated tokens per request.
+    #[arg(long, default_value_t = 32)]
+    max_tokens: u32,
+    /// ShareGPT prompts are cut to this many characters.
+    #[arg(long, default_value_t = 1200)]
+    max_prompt_chars: usize,
+    /// Give each request its own cache scope, so nothing is shared.
+    #[arg(long)]
+    no_prefix_cache: bool,
+    /// API key (sent as a bearer token), for a gateway.
+    #[arg(long)]
+    api_key: Option<String>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Label for this run in the report.
+    #[arg(long)]
+    label: Option<String>,
+    #[arg(long)]
+    json: bool,
+}
+
+/// One request to send.
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub prompt: String,
+    pub max_tokens: u32,
+}
+
+const FEW_SHOT: &str = "Translate English to French.\n\n\
+sea otter => loutre de mer\npeppermint => menthe poivrée\nplush giraffe => girafe en peluche\n\
+cheese => fromage\nThe weather is lovely today. => Il fait très beau aujourd'hui.\n\
+Where is the train station? => Où est la gare ?\nI would like a cup of coffee, please. => \
+Je voudrais une tasse de café, s'il vous plaît.\nThe library opens at nine in the morning and \
+closes at six in the evening. => La bibliothèque ouvre à neuf heures du matin et ferme à six \
+heures du soir.\nMy brother lives in a small village near the mountains, where the winters are \
+long and cold. => Mon frère habite dans un petit village près des montagnes, où les hivers sont \
+longs et froids.\nWe visited the museum yesterday and saw paintings from the seventeenth century. \
+=> Nous avons visité le musée hier et avons vu des tableaux du dix-septième siècle.\n\
+Could you please tell me how to get to the nearest pharmacy? => Pourriez-vous me dire comment \
+aller à la pharmacie la plus proche ?\nThe children played in the garden until the sun went down. \
+=> Les enfants ont joué dans le jardin jusqu'au coucher du soleil.\n";
+
+const WORDS: [&str; 12] = [
+    "apple", "river", "window", "bread", "mountain", "letter", "garden", "clock", "bridge",
+    "candle", "forest", "teacher",
+];
+
+fn jobs(args: &BenchArgs) -> Result<Vec<Job>> {
+    match args.workload.as_str() {
+        "shared-prefix" => Ok((0..args.requests)
+            .map(|i| Job {
+                prompt: format!(
+                    "{FEW_SHOT}The {} near the {} is {} years old. =>",
+                    WORDS[i % WORDS.len()],
+                    WORDS[(i / WORDS.len() + 3) % WORDS.len()],
+                    i + 2
+                ),
+                max_tokens: args.max_tokens,
+            })
+            .collect()),
+        "sharegpt" => {
+            let path = crate::assets::sharegpt()?;
+            let pairs = client::sharegpt_prompts(&path, args.requests, args.max_prompt_chars)?;
+            Ok(pairs
+                .into_iter()
+                .map(|(prompt, answer_tokens)| Job {
+                    prompt,
+                    max_tokens: (answer_tokens as u32).clamp(1, args.max_tokens),
+                })
+                .collect())
+        }
+        other => bail!("unknown workload {other:?} (expected shared-prefix or sharegpt)"),
+    }
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    if args.requests == 0 || args.concurrency == 0 {
+        bail!("--requests and --concurrency must be positive");
+    }
+    if args.rate.is_some_and(|r| !(r > 0.0 && r.is_finite())) {
+        bail!("--rate must be a positive number");
+    }
+    let target = client::Target::parse(&args.url, args.api_key.clone())?;
+    let jobs = jobs(&args)?;
+    let before = client::scrape(&target).context("reading /metrics before the run")?;
+    let bar = ProgressBar::new(jobs.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{msg:>10} [{bar:40}] {pos}/{len} {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_message("requests");
+    let outcomes = Arc::new(Mutex::new(Vec::new()));
+    let start = Instant::now();
+    let deadline = args.duration.map(|d| start + Duration::from_secs_f64(d));
+    let queue = Arc::new(Mutex::new(jobs.into_iter().enumerate().collect::<Vec<_>>()));
+    queue.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.reverse();
+    let send = {
+        let (target, args, outcomes, bar) = (target.clone(), args.clone(), outcomes.clone(), bar.clone());
+        move |i: usize, job: Job| {
+            let scope = args.no_prefix_cache.then(|| format!("bench-{}-{i}", args.seed));
+            let o = client::stream_completion(&target, &args.model, &job, scope.as_deref());
+            bar.inc(1);
+            if let Ok(mut v) = outcomes.lock() {
+                v.push(o);
+            }
+        }
+    };
+    let mut handles = Vec::new();
+    match args.rate {
+        None => {
+            for _ in 0..args.concurrency {
+                let (queue, send) = (queue.clone(), send.clone());
+                handles.push(std::thread::spawn(move || loop {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return;
+                    }
+                    let next = queue.lock().ok().and_then(|mut q| q.pop());
+                    let Some((i, job)) = next else { return };
+                    send(i, job);
+                }));
+            }
+        }
+        Some(rate) => {
+            let arrivals = client::poisson(args.requests, rate, args.seed);
+            let mut q = queue.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+            while let Some((i, job)) = q.pop() {
+                let at = start + Duration::from_secs_f64(arrivals[i]);
+                if deadline.is_some_and(|d| at >= d) {
+                    break;
+                }
+                std::thread::sleep(at.saturating_duration_since(Instant::now()));
+                let send = send.clone();
+                handles.push(std::thread::spawn(move || send(i, job)));
+            }
+        }
+    }
+    for h in handles {
+        let _ = h.join();
+    }
+    let elapsed = start.elapsed();
+    bar.finish_and_clear();
+    let after = client::scrape(&target).context("reading /metrics after the run")?;
+    let outcomes: Vec<Outcome> = std::mem::take(&mut *outcomes.lock().map_err(|_| anyhow::anyhow!("poisoned"))?);
+    let report = Report::new(&args.label.clone().unwrap_or_else(|| args.workload.clone()), &outcomes, elapsed, &before, &after);
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{}", report.table());
+    }
+    if report.failed > 0 && report.completed == 0 {
+        bail!("every request failed; first error: {}", report.first_error.unwrap_or_default());
+    }
+    Ok(())
+}
