@@ -1,0 +1,172 @@
+//! End-to-end model speed on this machine, through the engine's real path (block manager, paged
+//! attention, the CPU backend): single-stream decode, 512-token prefill and batched decode of 32
+//! sequences, in f32 and f16, next to the machine's memory bandwidth measured in the same run.
+//! Prints one JSON object per figure. `scripts/bench-model` runs llama.cpp beside it.
+//!
+//! cargo bench -p kvgate-engine --bench model   (model: $KVGATE_BENCH_MODEL or the test copy)
+
+use kvgate_engine::kv::{test_manager, KvCacheManager, SeqId};
+use kvgate_engine::model::{Batch, Llama, LoadOptions};
+use kvgate_kernels::{AttnSeq, Cpu, DType};
+use std::path::PathBuf;
+use std::time::Instant;
+
+const BS: u32 = 16;
+
+struct Runner {
+    model: Llama<Cpu>,
+    kv: KvCacheManager,
+    vocab: usize,
+}
+
+impl Runner {
+    /// One step over `seqs` (id, new tokens, start position); returns the logits of each last row.
+    fn step(&mut self, seqs: &[(SeqId, Vec<u32>, usize)]) -> Vec<f32> {
+        let (mut tokens, mut positions, mut slots, mut rows, mut tables) = (vec![], vec![], vec![], vec![], vec![]);
+        for (id, new, start) in seqs {
+            let t = self.kv.block_table(*id).unwrap();
+            for (k, tok) in new.iter().enumerate() {
+                tokens.push(*tok);
+                positions.push((start + k) as u32);
+                slots.push(t.slot(start + k, BS as usize) as u32);
+            }
+            rows.push(tokens.len() as u32 - 1);
+            tables.push(t.blocks().iter().map(|b| b.0).collect::<Vec<u32>>());
+        }
+        let mut q = 0;
+        let attn: Vec<AttnSeq<'_>> = seqs
+            .iter()
+            .zip(&tables)
+            .map(|((_, new, start), table)| {
+                let a = AttnSeq { query_start: q, query_len: new.len(), context_len: start + new.len(), block_table: table };
+                q += new.len();
+                a
+            })
+            .collect();
+        self.model.forward(&Batch { tokens: &tokens, positions: &positions, slots: &slots, seqs: &attn, logits_rows: &rows })
+    }
+
+    fn start(&mut self, id: u64, prompt: &[u32]) -> (SeqId, Vec<u32>, usize) {
+        let scope = self.kv.scope("bench");
+        let p = self.kv.hash_prompt(scope, prompt);
+        let cached = self.kv.allocate_prompt(SeqId(id), &p, prompt).unwrap().cached_tokens;
+        (SeqId(id), prompt[cached..].to_vec(), cached)
+    }
+
+    fn argmax(&self, logits: &[f32], row: usize) -> u32 {
+        let r = &logits[row * self.vocab..(row + 1) * self.vocab];
+        (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b]).then(b.cmp(&a))).unwrap() as u32
+    }
+
+    fn reset(&mut self) {
+        let blocks = self.kv.num_blocks() as u32;
+        self.kv = test_manager(blocks, 0, BS);
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn decode_tok_s(r: &mut Runner, n: usize) -> f64 {
+    r.reset();
+    let prompt = [504, 2365, 6354, 16438];
+    let first = r.start(0, &prompt);
+    let logits = r.step(&[first]);
+    let mut tok = r.argmax(&logits, 0);
+    let t0 = Instant::now();
+    for i in 0..n {
+        r.kv.append_slots(SeqId(0), &[tok]).unwrap();
+        let logits = r.step(&[(SeqId(0), vec![tok], prompt.len() + i)]);
+        tok = r.argmax(&logits, 0);
+    }
+    n as f64 / t0.elapsed().as_secs_f64()
+}
+
+fn prefill_tok_s(r: &mut Runner, len: usize) -> f64 {
+    r.reset();
+    let prompt: Vec<u32> = (0..len as u32).map(|i| (i * 37 + 11) % 30000 + 100).collect();
+    let t0 = Instant::now();
+    let s = r.start(0, &prompt);
+    r.step(&[s]);
+    len as f64 / t0.elapsed().as_secs_f64()
+}
+
+fn batched_tok_s(r: &mut Runner, batch: usize, steps: usize) -> f64 {
+    r.reset();
+    let starts: Vec<_> = (0..batch)
+        .map(|b| {
+            let prompt: Vec<u32> = (0..16u32).map(|i| (i * 131 + b as u32 * 977) % 30000 + 100).collect();
+            r.start(b as u64, &prompt)
+        })
+        .collect();
+    let logits = r.step(&starts);
+    let mut toks: Vec<u32> = (0..batch).map(|b| r.argmax(&logits, b)).collect();
+    let t0 = Instant::now();
+    for s in 0..steps {
+        let items: Vec<_> = (0..batch)
+            .map(|b| {
+                r.kv.append_slots(SeqId(b as u64), &[toks[b]]).unwrap();
+                (SeqId(b as u64), vec![toks[b]], 16 + s)
+            })
+            .collect();
+        let logits = r.step(&items);
+        toks = (0..batch).map(|b| r.argmax(&logits, b)).collect();
+    }
+    (batch * steps) as f64 / t0.elapsed().as_secs_f64()
+}
+
+/// Read bandwidth of this machine: two threads summing a 1 GiB buffer.
+fn bandwidth_gb_s() -> f64 {
+    let data = vec![1.0f32; 1 << 28];
+    let run = || {
+        let t0 = Instant::now();
+        let sum: f32 = std::thread::scope(|s| {
+            let hs: Vec<_> = data.chunks(data.len() / 2).map(|c| s.spawn(move || c.iter().sum::<f32>())).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        std::hint::black_box(sum);
+        (data.len() * 4) as f64 / t0.elapsed().as_secs_f64() / 1e9
+    };
+    run();
+    median((0..3).map(|_| run()).collect())
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let dir = std::env::var_os("KVGATE_BENCH_MODEL").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/kvgate-test-assets/smollm2-f32")
+    });
+    if !dir.join("config.json").exists() {
+        eprintln!("no model at {} (run scripts/test once, or set KVGATE_BENCH_MODEL)", dir.display());
+        return;
+    }
+    let bw = bandwidth_gb_s();
+    println!("{{\"figure\":\"memory_bandwidth_gb_s\",\"value\":{bw:.2}}}");
+    for (name, dtype, bytes) in [("f32", DType::F32, 4.0), ("f16", DType::F16, 2.0)] {
+        let model = Llama::load(Cpu::new(), &dir, LoadOptions {
+            dtype,
+            kv_dtype: DType::F32,
+            num_blocks: 2048,
+            num_host_blocks: 0,
+            block_size: BS as usize,
+        })
+        .expect("load the model");
+        let vocab = model.config().vocab_size;
+        let c = model.config().clone();
+        let params = (c.vocab_size * c.hidden_size
+            + c.num_layers * (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+                + c.num_heads * c.head_dim * c.hidden_size
+                + 3 * c.hidden_size * c.intermediate_size)) as f64;
+        let mut r = Runner { model, kv: test_manager(2048, 0, BS), vocab };
+        decode_tok_s(&mut r, 16);
+        let decode = median((0..3).map(|_| decode_tok_s(&mut r, 128)).collect());
+        let prefill = median((0..3).map(|_| prefill_tok_s(&mut r, 512)).collect());
+        let batched = median((0..3).map(|_| batched_tok_s(&mut r, 32, 32)).collect());
+        let weight_gb_s = decode * params * bytes / 1e9;
+        println!("{{\"engine\":\"kvgate\",\"weights\":\"{name}\",\"decode_tok_s\":{decode:.2},\"prefill_512_tok_s\":{prefill:.1},\"batched32_tok_s\":{batched:.1},\"batched_over_single\":{:.2},\"decode_weight_gb_s\":{weight_gb_s:.2},\"decode_share_of_bandwidth\":{:.3}}}", batched / decode, weight_gb_s / bw);
+    }
+}
