@@ -142,11 +142,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let start = Instant::now();
     let deadline = args.duration.map(|d| start + Duration::from_secs_f64(d));
     let queue = Arc::new(Mutex::new(jobs.into_iter().enumerate().collect::<Vec<_>>()));
-    queue.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.reverse();
+    queue
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .reverse();
     let send = {
-        let (target, args, outcomes, bar) = (target.clone(), args.clone(), outcomes.clone(), bar.clone());
+        let (target, args, outcomes, bar) =
+            (target.clone(), args.clone(), outcomes.clone(), bar.clone());
         move |i: usize, job: Job| {
-            let scope = args.no_prefix_cache.then(|| format!("bench-{}-{i}", args.seed));
+            let scope = args
+                .no_prefix_cache
+                .then(|| format!("bench-{}-{i}", args.seed));
             let o = client::stream_completion(&target, &args.model, &job, scope.as_deref());
             bar.inc(1);
             if let Ok(mut v) = outcomes.lock() {
@@ -189,15 +195,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let elapsed = start.elapsed();
     bar.finish_and_clear();
     let after = client::scrape(&target).context("reading /metrics after the run")?;
-    let outcomes: Vec<Outcome> = std::mem::take(&mut *outcomes.lock().map_err(|_| anyhow::anyhow!("poisoned"))?);
-    let report = Report::new(&args.label.clone().unwrap_or_else(|| args.workload.clone()), &outcomes, elapsed, &before, &after);
+    let outcomes: Vec<Outcome> =
+        std::mem::take(&mut *outcomes.lock().map_err(|_| anyhow::anyhow!("poisoned"))?);
+    let report = Report::new(
+        &args.label.clone().unwrap_or_else(|| args.workload.clone()),
+        &outcomes,
+        elapsed,
+        &before,
+        &after,
+    );
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         print!("{}", report.table());
     }
     if report.failed > 0 && report.completed == 0 {
-        bail!("every request failed; first error: {}", report.first_error.unwrap_or_default());
+        bail!(
+            "every request failed; first error: {}",
+            report.first_error.unwrap_or_default()
+        );
     }
     Ok(())
 }

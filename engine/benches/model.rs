@@ -22,7 +22,8 @@ struct Runner {
 impl Runner {
     /// One step over `seqs` (id, new tokens, start position); returns the logits of each last row.
     fn step(&mut self, seqs: &[(SeqId, Vec<u32>, usize)]) -> Vec<f32> {
-        let (mut tokens, mut positions, mut slots, mut rows, mut tables) = (vec![], vec![], vec![], vec![], vec![]);
+        let (mut tokens, mut positions, mut slots, mut rows, mut tables) =
+            (vec![], vec![], vec![], vec![], vec![]);
         for (id, new, start) in seqs {
             let t = self.kv.block_table(*id).unwrap();
             for (k, tok) in new.iter().enumerate() {
@@ -38,24 +39,41 @@ impl Runner {
             .iter()
             .zip(&tables)
             .map(|((_, new, start), table)| {
-                let a = AttnSeq { query_start: q, query_len: new.len(), context_len: start + new.len(), block_table: table };
+                let a = AttnSeq {
+                    query_start: q,
+                    query_len: new.len(),
+                    context_len: start + new.len(),
+                    block_table: table,
+                };
                 q += new.len();
                 a
             })
             .collect();
-        self.model.forward(&Batch { tokens: &tokens, positions: &positions, slots: &slots, seqs: &attn, logits_rows: &rows })
+        self.model.forward(&Batch {
+            tokens: &tokens,
+            positions: &positions,
+            slots: &slots,
+            seqs: &attn,
+            logits_rows: &rows,
+        })
     }
 
     fn start(&mut self, id: u64, prompt: &[u32]) -> (SeqId, Vec<u32>, usize) {
         let scope = self.kv.scope("bench");
         let p = self.kv.hash_prompt(scope, prompt);
-        let cached = self.kv.allocate_prompt(SeqId(id), &p, prompt).unwrap().cached_tokens;
+        let cached = self
+            .kv
+            .allocate_prompt(SeqId(id), &p, prompt)
+            .unwrap()
+            .cached_tokens;
         (SeqId(id), prompt[cached..].to_vec(), cached)
     }
 
     fn argmax(&self, logits: &[f32], row: usize) -> u32 {
         let r = &logits[row * self.vocab..(row + 1) * self.vocab];
-        (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b]).then(b.cmp(&a))).unwrap() as u32
+        (0..r.len())
+            .max_by(|&a, &b| r[a].total_cmp(&r[b]).then(b.cmp(&a)))
+            .unwrap() as u32
     }
 
     fn reset(&mut self) {
@@ -86,7 +104,9 @@ fn decode_tok_s(r: &mut Runner, n: usize) -> f64 {
 
 fn prefill_tok_s(r: &mut Runner, len: usize) -> f64 {
     r.reset();
-    let prompt: Vec<u32> = (0..len as u32).map(|i| (i * 37 + 11) % 30000 + 100).collect();
+    let prompt: Vec<u32> = (0..len as u32)
+        .map(|i| (i * 37 + 11) % 30000 + 100)
+        .collect();
     let t0 = Instant::now();
     let s = r.start(0, &prompt);
     r.step(&[s]);
@@ -97,7 +117,9 @@ fn batched_tok_s(r: &mut Runner, batch: usize, steps: usize) -> f64 {
     r.reset();
     let starts: Vec<_> = (0..batch)
         .map(|b| {
-            let prompt: Vec<u32> = (0..16u32).map(|i| (i * 131 + b as u32 * 977) % 30000 + 100).collect();
+            let prompt: Vec<u32> = (0..16u32)
+                .map(|i| (i * 131 + b as u32 * 977) % 30000 + 100)
+                .collect();
             r.start(b as u64, &prompt)
         })
         .collect();
@@ -123,7 +145,10 @@ fn bandwidth_gb_s() -> f64 {
     let run = || {
         let t0 = Instant::now();
         let sum: f32 = std::thread::scope(|s| {
-            let hs: Vec<_> = data.chunks(data.len() / 2).map(|c| s.spawn(move || c.iter().sum::<f32>())).collect();
+            let hs: Vec<_> = data
+                .chunks(data.len() / 2)
+                .map(|c| s.spawn(move || c.iter().sum::<f32>()))
+                .collect();
             hs.into_iter().map(|h| h.join().unwrap()).sum()
         });
         std::hint::black_box(sum);
@@ -137,31 +162,46 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let dir = std::env::var_os("KVGATE_BENCH_MODEL").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/kvgate-test-assets/smollm2-f32")
-    });
+    let dir = std::env::var_os("KVGATE_BENCH_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../target/kvgate-test-assets/smollm2-f32")
+        });
     if !dir.join("config.json").exists() {
-        eprintln!("no model at {} (run scripts/test once, or set KVGATE_BENCH_MODEL)", dir.display());
+        eprintln!(
+            "no model at {} (run scripts/test once, or set KVGATE_BENCH_MODEL)",
+            dir.display()
+        );
         return;
     }
     let bw = bandwidth_gb_s();
     println!("{{\"figure\":\"memory_bandwidth_gb_s\",\"value\":{bw:.2}}}");
     for (name, dtype, bytes) in [("f32", DType::F32, 4.0), ("f16", DType::F16, 2.0)] {
-        let model = Llama::load(Cpu::new(), &dir, LoadOptions {
-            dtype,
-            kv_dtype: DType::F32,
-            num_blocks: 2048,
-            num_host_blocks: 0,
-            block_size: BS as usize,
-        })
+        let model = Llama::load(
+            Cpu::new(),
+            &dir,
+            LoadOptions {
+                dtype,
+                kv_dtype: DType::F32,
+                num_blocks: 2048,
+                num_host_blocks: 0,
+                block_size: BS as usize,
+            },
+        )
         .expect("load the model");
         let vocab = model.config().vocab_size;
         let c = model.config().clone();
         let params = (c.vocab_size * c.hidden_size
-            + c.num_layers * (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-                + c.num_heads * c.head_dim * c.hidden_size
-                + 3 * c.hidden_size * c.intermediate_size)) as f64;
-        let mut r = Runner { model, kv: test_manager(2048, 0, BS), vocab };
+            + c.num_layers
+                * (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+                    + c.num_heads * c.head_dim * c.hidden_size
+                    + 3 * c.hidden_size * c.intermediate_size)) as f64;
+        let mut r = Runner {
+            model,
+            kv: test_manager(2048, 0, BS),
+            vocab,
+        };
         decode_tok_s(&mut r, 16);
         let decode = median((0..3).map(|_| decode_tok_s(&mut r, 128)).collect());
         let prefill = median((0..3).map(|_| prefill_tok_s(&mut r, 512)).collect());

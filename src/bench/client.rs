@@ -31,10 +31,20 @@ impl Target {
             .with_context(|| format!("resolving {host}"))?
             .next()
             .with_context(|| format!("{host} has no address"))?;
-        Ok(Target { addr, host, api_key })
+        Ok(Target {
+            addr,
+            host,
+            api_key,
+        })
     }
 
-    fn send(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Result<BufReader<TcpStream>> {
+    fn send(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> Result<BufReader<TcpStream>> {
         let mut s = TcpStream::connect_timeout(&self.addr, Duration::from_secs(10))
             .with_context(|| format!("connecting to {}", self.host))?;
         s.set_nodelay(true)?;
@@ -60,7 +70,11 @@ impl Target {
 fn status_line(r: &mut BufReader<TcpStream>) -> Result<u16> {
     let mut line = String::new();
     r.read_line(&mut line)?;
-    let status = line.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
     loop {
         line.clear();
         if r.read_line(&mut line)? == 0 || line.trim_end().is_empty() {
@@ -89,7 +103,9 @@ pub fn stream_completion(t: &Target, model: &str, job: &Job, scope: Option<&str>
             if r.read_line(&mut line)? == 0 {
                 break;
             }
-            let Some(data) = line.trim_end().strip_prefix("data: ") else { continue };
+            let Some(data) = line.trim_end().strip_prefix("data: ") else {
+                continue;
+            };
             if status != 200 || data.contains("\"error\"") {
                 bail!("HTTP {status}: {data}");
             }
@@ -100,7 +116,9 @@ pub fn stream_completion(t: &Target, model: &str, job: &Job, scope: Option<&str>
             if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
                 out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
                 out.output_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
-                out.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+                out.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0);
             }
             if v["choices"].as_array().is_some_and(|c| !c.is_empty()) {
                 let now = Instant::now();
@@ -167,21 +185,34 @@ pub fn poisson(n: usize, rate: f64, seed: u64) -> Vec<f64> {
 /// vLLM's filter; prompts cut to `max_chars`.
 pub fn sharegpt_prompts(path: &Path, n: usize, max_chars: usize) -> Result<Vec<(String, usize)>> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    let mut pos = bytes.iter().position(|b| *b == b'[').context("not a JSON array")? + 1;
+    let mut pos = bytes
+        .iter()
+        .position(|b| *b == b'[')
+        .context("not a JSON array")?
+        + 1;
     let mut out = Vec::new();
     while out.len() < n && pos < bytes.len() {
         while pos < bytes.len() && (bytes[pos].is_ascii_whitespace() || bytes[pos] == b',') {
             pos += 1;
         }
-        let mut stream = serde_json::Deserializer::from_slice(&bytes[pos..]).into_iter::<serde_json::Value>();
+        let mut stream =
+            serde_json::Deserializer::from_slice(&bytes[pos..]).into_iter::<serde_json::Value>();
         let Some(Ok(conv)) = stream.next() else { break };
         pos += stream.byte_offset();
-        let turns = conv["conversations"].as_array().cloned().unwrap_or_default();
-        let (Some(q), Some(a)) = (turns.first(), turns.get(1)) else { continue };
+        let turns = conv["conversations"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let (Some(q), Some(a)) = (turns.first(), turns.get(1)) else {
+            continue;
+        };
         if q["from"] != "human" || a["from"] != "gpt" {
             continue;
         }
-        let (q, a) = (q["value"].as_str().unwrap_or(""), a["value"].as_str().unwrap_or(""));
+        let (q, a) = (
+            q["value"].as_str().unwrap_or(""),
+            a["value"].as_str().unwrap_or(""),
+        );
         let (pt, at) = (
             kvgate_engine::sim::approx_tokens::approx_token_count(q),
             kvgate_engine::sim::approx_tokens::approx_token_count(a),

@@ -64,9 +64,13 @@ impl Report {
         let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
         let cached: u64 = ok.iter().map(|o| o.cached_tokens).sum();
         let mut ttft: Vec<f64> = ok.iter().filter_map(|o| o.ttft).map(ms).collect();
-        let mut itl: Vec<f64> = ok.iter().flat_map(|o| o.itl.iter().copied().map(ms)).collect();
+        let mut itl: Vec<f64> = ok
+            .iter()
+            .flat_map(|o| o.itl.iter().copied().map(ms))
+            .collect();
         let mut lat: Vec<f64> = ok.iter().map(|o| ms(o.latency)).collect();
-        let delta = |k: &str| after.get(k).copied().unwrap_or(0.0) - before.get(k).copied().unwrap_or(0.0);
+        let delta =
+            |k: &str| after.get(k).copied().unwrap_or(0.0) - before.get(k).copied().unwrap_or(0.0);
         Report {
             label: label.to_owned(),
             completed: ok.len(),
@@ -90,11 +94,32 @@ impl Report {
 
     pub fn table(&self) -> String {
         let mut s = String::new();
-        let _ = writeln!(s, "{}: {} completed, {} failed in {:.1} s", self.label, self.completed, self.failed, self.duration_s);
-        let _ = writeln!(s, "  throughput   {:.2} req/s, {:.1} output tok/s, {:.1} total tok/s", self.requests_per_s, self.output_tokens_per_s, self.total_tokens_per_s);
-        let _ = writeln!(s, "  TTFT         p50 {:.0} ms, p99 {:.0} ms", self.ttft_p50_ms, self.ttft_p99_ms);
-        let _ = writeln!(s, "  inter-token  p50 {:.1} ms, p99 {:.1} ms", self.itl_p50_ms, self.itl_p99_ms);
-        let _ = writeln!(s, "  prompts      {:.0} tokens on average, {:.1}% from the prefix cache", self.mean_prompt_tokens, 100.0 * self.cached_fraction);
+        let _ = writeln!(
+            s,
+            "{}: {} completed, {} failed in {:.1} s",
+            self.label, self.completed, self.failed, self.duration_s
+        );
+        let _ = writeln!(
+            s,
+            "  throughput   {:.2} req/s, {:.1} output tok/s, {:.1} total tok/s",
+            self.requests_per_s, self.output_tokens_per_s, self.total_tokens_per_s
+        );
+        let _ = writeln!(
+            s,
+            "  TTFT         p50 {:.0} ms, p99 {:.0} ms",
+            self.ttft_p50_ms, self.ttft_p99_ms
+        );
+        let _ = writeln!(
+            s,
+            "  inter-token  p50 {:.1} ms, p99 {:.1} ms",
+            self.itl_p50_ms, self.itl_p99_ms
+        );
+        let _ = writeln!(
+            s,
+            "  prompts      {:.0} tokens on average, {:.1}% from the prefix cache",
+            self.mean_prompt_tokens,
+            100.0 * self.cached_fraction
+        );
         let _ = writeln!(s, "  preemptions  {:.0}", self.preemptions);
         if let Some(e) = &self.first_error {
             let _ = writeln!(s, "  first error  {e}");

@@ -35,7 +35,10 @@ impl Subscription {
         let (mut name, mut line) = ("message".to_owned(), String::new());
         loop {
             line.clear();
-            assert!(self.reader.read_line(&mut line).unwrap() > 0, "stream ended");
+            assert!(
+                self.reader.read_line(&mut line).unwrap() > 0,
+                "stream ended"
+            );
             let l = line.trim_end();
             if let Some(n) = l.strip_prefix("event: ") {
                 name = n.to_owned();
@@ -55,7 +58,10 @@ fn snapshot_then_numbered_events_rebuild_the_cache_index() {
     assert_eq!(snap["blocks"].as_array().unwrap().len(), 0);
     let mut index: HashSet<String> = HashSet::new();
     let mut last = snap["seq"].as_u64().unwrap();
-    let body = format!(r#"{{"model":"{MODEL}","prompt":"{}","max_tokens":20,"temperature":0}}"#, "one two three four five six seven eight nine ten ".repeat(4));
+    let body = format!(
+        r#"{{"model":"{MODEL}","prompt":"{}","max_tokens":20,"temperature":0}}"#,
+        "one two three four five six seven eight nine ten ".repeat(4)
+    );
     assert_eq!(e.post("/v1/completions", &body).status, 200);
     // The prompt's and the output's full blocks arrive as BlockStored events.
     while index.len() < 3 {
@@ -65,7 +71,13 @@ fn snapshot_then_numbered_events_rebuild_the_cache_index() {
         match ev["type"].as_str().unwrap() {
             "BlockStored" => {
                 assert_eq!(ev["scope"], "default");
-                index.extend(ev["hashes"].as_array().unwrap().iter().map(|h| h.as_str().unwrap().to_owned()));
+                index.extend(
+                    ev["hashes"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|h| h.as_str().unwrap().to_owned()),
+                );
             }
             "BlockRemoved" => ev["hashes"].as_array().unwrap().iter().for_each(|h| {
                 index.remove(h.as_str().unwrap());
@@ -78,7 +90,12 @@ fn snapshot_then_numbered_events_rebuild_the_cache_index() {
     let mut late = Subscription::open(&e);
     let (name, snap) = late.next();
     assert_eq!(name, "snapshot");
-    let snapped: HashSet<String> = snap["blocks"].as_array().unwrap().iter().map(|b| b["hash"].as_str().unwrap().to_owned()).collect();
+    let snapped: HashSet<String> = snap["blocks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["hash"].as_str().unwrap().to_owned())
+        .collect();
     assert_eq!(snapped, index);
     // A flush reaches both as AllCleared.
     e.admin("POST", "/admin/cache/flush", "");

@@ -37,9 +37,15 @@ except Exception as e:
 fn the_official_openai_client_works() {
     let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/venv/bin/python");
     let has_openai = python.exists()
-        && Command::new(&python).args(["-c", "import openai"]).status().is_ok_and(|s| s.success());
+        && Command::new(&python)
+            .args(["-c", "import openai"])
+            .status()
+            .is_ok_and(|s| s.success());
     if !has_openai {
-        assert!(std::env::var_os("CI").is_none(), "scripts/test installs openai into target/venv");
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "scripts/test installs openai into target/venv"
+        );
         eprintln!("skipped: target/venv has no openai package (run scripts/test)");
         return;
     }
@@ -49,9 +55,19 @@ fn the_official_openai_client_works() {
         .output()
         .expect("python runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("FULL The capital of France is Paris."), "{stdout}");
-    assert!(stdout.contains("STREAM The capital of France is Paris."), "{stdout}");
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("FULL The capital of France is Paris."),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("STREAM The capital of France is Paris."),
+        "{stdout}"
+    );
     assert!(stdout.contains("STREAM_USAGE 8"), "{stdout}");
     assert!(stdout.contains(&format!("MODELS ['{MODEL}']")), "{stdout}");
     assert!(stdout.contains("ERROR NotFoundError"), "{stdout}");
