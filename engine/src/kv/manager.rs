@@ -202,7 +202,7 @@ impl KvCacheManager {
             pool: BlockPool::new(config.num_blocks),
             host: HostPool::new(config.num_host_blocks),
             host_meta: vec![HostMeta::default(); config.num_host_blocks as usize],
-            index: PrefixIndex::new(),
+            index: PrefixIndex::with_blocks(config.num_blocks as usize),
             seqs: HashMap::new(),
             scopes: Vec::new(),
             scope_chains: Vec::new(),
@@ -424,13 +424,16 @@ impl KvCacheManager {
         state.table.reserve(needed);
         let first_pos = state.table.num_tokens();
         let b = self.block_size;
+        // Take every new block first: the evictions, then the registrations, each come out as
+        // one run of events instead of alternating.
+        let fresh = needed - usize::from(cow.is_some());
+        for _ in 0..fresh {
+            let id = self.allocate_block(scope);
+            state.table.push(id);
+        }
         let mut rest = tokens;
         while !rest.is_empty() {
             let pos = state.table.num_tokens();
-            if pos % b == 0 {
-                let id = self.allocate_block(scope);
-                state.table.push(id);
-            }
             let take = rest.len().min(b - pos % b);
             let (now, later) = rest.split_at(take);
             rest = later;

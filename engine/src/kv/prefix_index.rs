@@ -45,6 +45,15 @@ impl PrefixIndex {
         Self::default()
     }
 
+    /// An index for a pool of `num_blocks` blocks. The table is sized at twice the most entries
+    /// it can hold (one per block): with constant evict-and-insert churn, a fuller table fills
+    /// with tombstones and rehashes in place every few thousand inserts.
+    pub fn with_blocks(num_blocks: usize) -> Self {
+        PrefixIndex {
+            map: HashMapByBlock::with_capacity_and_hasher(num_blocks * 2, Default::default()),
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.map.len()
     }

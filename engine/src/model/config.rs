@@ -131,16 +131,16 @@ impl ModelConfig {
                 return Err(format!("{field}: must be positive"));
             }
         }
-        if heads % kv_heads != 0 {
+        if !heads.is_multiple_of(kv_heads) {
             return Err(format!(
                 "num_key_value_heads: {kv_heads} does not divide num_attention_heads {heads}"
             ));
         }
         let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / heads);
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(format!("head_dim: {head_dim} must be positive and even"));
         }
-        if raw.head_dim.is_none() && raw.hidden_size % heads != 0 {
+        if raw.head_dim.is_none() && !raw.hidden_size.is_multiple_of(heads) {
             return Err("hidden_size: not a multiple of num_attention_heads".into());
         }
         Ok(ModelConfig {

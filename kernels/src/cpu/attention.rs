@@ -7,7 +7,8 @@
 //! `group * queries` rows from L1. The item walks the context in tiles of 16 tokens. A tile's
 //! addresses come from the block table (so tiles are independent of the block size), and each
 //! row keeps an online softmax (running max `m`, sum `l`, output accumulator) that it updates
-//! once per tile. Query j of a sequence sits at position `context_len - query_len + j` and sees
+//! once per tile. The next tile's K/V lines are prefetched while the current one is computed
+//! (the next block is anywhere in the pool). Query j of a sequence sits at position `context_len - query_len + j` and sees
 //! positions `0..=` its own (causal). Items run in parallel on rayon.
 //!
 //! Cost: O(sum over rows of attended tokens * head_dim) multiply-adds; K/V are read once per
@@ -50,14 +51,24 @@ struct Paged<'a> {
 impl KvLayout for Paged<'_> {
     #[inline(always)]
     fn offsets(&self, t0: usize, n: usize, h: usize, offs: &mut [usize; TILE]) {
-        let (mut block, mut off) = (t0 / self.block_size, t0 % self.block_size);
+        let bs = self.block_size;
+        // Block sizes are almost always powers of two: a shift instead of a division.
+        let (mut block, mut off) = if bs.is_power_of_two() {
+            (t0 >> bs.trailing_zeros(), t0 & (bs - 1))
+        } else {
+            (t0 / bs, t0 % bs)
+        };
+        let row = self.kv_heads * self.head_dim;
+        let head = h * self.head_dim;
+        let mut at = (self.table[block] as usize * bs + off) * row + head;
         for o in offs.iter_mut().take(n) {
-            let slot = self.table[block] as usize * self.block_size + off;
-            *o = (slot * self.kv_heads + h) * self.head_dim;
-            off += 1;
-            if off == self.block_size {
+            if off == bs {
                 (block, off) = (block + 1, 0);
+                at = self.table[block] as usize * bs * row + head;
             }
+            *o = at;
+            at += row;
+            off += 1;
         }
     }
 }

@@ -80,9 +80,9 @@ impl Store {
     /// A zeroed store of `len` values.
     pub fn zeros(dtype: DType, len: usize) -> Self {
         match dtype {
-            DType::F32 => Store::F32(vec![0.0; len]),
-            DType::F16 => Store::F16(vec![f16::ZERO; len]),
-            DType::BF16 => Store::BF16(vec![bf16::ZERO; len]),
+            DType::F32 => Store::F32(huge_zeroed(len)),
+            DType::F16 => Store::F16(huge_zeroed(len)),
+            DType::BF16 => Store::BF16(huge_zeroed(len)),
         }
     }
 
@@ -152,6 +152,54 @@ impl Store {
     }
 }
 
+/// A zeroed vector whose pages the kernel is asked to back with huge pages (before they are
+/// first touched: `vec![0; n]` of this size maps fresh zero pages without writing them).
+fn huge_zeroed<T: Clone + Default>(len: usize) -> Vec<T> {
+    let mut v = vec![T::default(); len];
+    advise_huge_pages(&mut v);
+    v
+}
+
+/// Moves a large store into memory backed by huge pages (one copy, at load time).
+fn huge_copy(store: Store) -> Store {
+    fn copy<T: Copy + Default>(v: Vec<T>) -> Vec<T> {
+        if std::mem::size_of_val(v.as_slice()) < 4 << 20 || !cfg!(target_os = "linux") {
+            return v;
+        }
+        let mut h = huge_zeroed(v.len());
+        h.copy_from_slice(&v);
+        h
+    }
+    match store {
+        Store::F32(v) => Store::F32(copy(v)),
+        Store::F16(v) => Store::F16(copy(v)),
+        Store::BF16(v) => Store::BF16(copy(v)),
+    }
+}
+
+/// Asks Linux to back `v`'s memory with transparent huge pages (`MADV_HUGEPAGE`; a no-op
+/// elsewhere, for small buffers, or when THP is off). Paged attention jumps between blocks all
+/// over the pool and a GEMV streams hundreds of MB: with 4 KiB pages both miss the TLB often.
+pub(crate) fn advise_huge_pages<T>(v: &mut [T]) {
+    #[cfg(target_os = "linux")]
+    {
+        const PAGE: usize = 4096;
+        let bytes = std::mem::size_of_val(v);
+        if bytes < 4 << 20 {
+            return;
+        }
+        let start = (v.as_mut_ptr() as usize).next_multiple_of(PAGE);
+        let end = (v.as_mut_ptr() as usize + bytes) & !(PAGE - 1);
+        // SAFETY: [start, end) is page-aligned and inside `v`'s allocation; MADV_HUGEPAGE only
+        // changes how the kernel backs those pages, never their contents. Failure is harmless.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = v;
+}
+
 impl From<WeightData> for Store {
     fn from(data: WeightData) -> Self {
         match data {
@@ -175,7 +223,7 @@ impl CpuWeight {
     pub fn new(data: WeightData, rows: usize, cols: usize) -> Self {
         assert_eq!(data.len(), rows * cols, "weight data length != rows * cols");
         CpuWeight {
-            store: data.into(),
+            store: huge_copy(data.into()),
             rows,
             cols,
         }

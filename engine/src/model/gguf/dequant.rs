@@ -124,7 +124,7 @@ pub enum DequantError {
 /// count is not a whole number of blocks, or the size overflows.
 pub fn byte_size(ty: GgmlType, elements: u64) -> Option<u64> {
     let (block, bytes) = ty.block_layout()?;
-    if elements % block != 0 {
+    if !elements.is_multiple_of(block) {
         return None;
     }
     (elements / block).checked_mul(bytes)

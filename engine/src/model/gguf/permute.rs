@@ -35,7 +35,7 @@ pub fn unpermute_qk(
             cols,
         });
     }
-    if n_head == 0 || rows % n_head != 0 || (rows / n_head) % 2 != 0 {
+    if n_head == 0 || !rows.is_multiple_of(n_head) || !(rows / n_head).is_multiple_of(2) {
         return Err(PermuteError::Heads { rows, n_head });
     }
     let head_dim = rows / n_head;

@@ -115,7 +115,8 @@ unsafe fn item_hd<E: Elem, L: KvLayout, const HD: usize>(
     }
 }
 
-/// Prefetches the K and V vectors (`hd` values each) at `offs` into L1.
+/// Prefetches the K and V vectors (`hd` values each) at `offs` into L2. (Into L1, a tile's
+/// 128 lines would queue behind L1's few fill buffers; L2 tracks many more misses.)
 #[inline(always)]
 fn prefetch_tile<E: Elem>(k: *const E, v: *const E, offs: &[usize], hd: usize) {
     let per_line = 64 / std::mem::size_of::<E>();
@@ -124,8 +125,8 @@ fn prefetch_tile<E: Elem>(k: *const E, v: *const E, offs: &[usize], hd: usize) {
             // SAFETY: prefetches never fault; wrapping_add keeps the address computation
             // defined even if it were out of bounds (it is not: offsets are checked).
             unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(k.wrapping_add(o + d).cast());
-                _mm_prefetch::<_MM_HINT_T0>(v.wrapping_add(o + d).cast());
+                _mm_prefetch::<_MM_HINT_T1>(k.wrapping_add(o + d).cast());
+                _mm_prefetch::<_MM_HINT_T1>(v.wrapping_add(o + d).cast());
             }
         }
     }
