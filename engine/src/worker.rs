@@ -10,7 +10,7 @@ mod detok;
 
 use crate::kv::{KvCacheManager, ScopeId};
 use crate::model::Llama;
-use crate::sampling::{Sampler, StopChecker, TokenLogprobs, Workspace};
+use crate::sampling::{Sampler, StopChecker, StopMatch, TokenLogprobs, Workspace};
 use crate::scheduler::{
     FinishReason as SchedFinish, GroupId, NewGroup, Scheduler, StepPlan, TenantId,
 };
@@ -49,11 +49,14 @@ pub enum Event {
         text: String,
         logprobs: Option<TokenLogprobs>,
     },
-    /// Sample `index` ended; `text` is its last piece of text.
+    /// Sample `index` ended; `text` is its last piece of text. `token` and `logprobs` are the
+    /// last token's when it is part of the output (not for an EOS or stop token).
     Finished {
         index: u32,
         reason: FinishReason,
         text: String,
+        token: Option<u32>,
+        logprobs: Option<TokenLogprobs>,
     },
     /// Every sample ended.
     Done {
@@ -425,10 +428,13 @@ impl<B: Backend> Worker<B> {
                 let text = sample.detok.text[sample.sent..keep].to_owned();
                 sample.sent = keep;
                 sample.done = true;
+                let output = !matches!(f.matched, StopMatch::Eos(_) | StopMatch::StopToken(_));
                 Event::Finished {
                     index: index as u32,
                     reason: f.reason,
                     text,
+                    token: output.then_some(sampled.token),
+                    logprobs: sampled.logprobs.clone().filter(|_| output),
                 }
             }
             None => {

@@ -226,3 +226,63 @@ fn fork_after_copy_on_write_matches_candle() {
     // The first write into the shared partial block (the parent's) copied it.
     assert_eq!(ours.kv.counters().cow_copies, 1);
 }
+
+#[test]
+fn sharded_safetensors_load_like_one_file() {
+    use safetensors::SafeTensors;
+    let (dir, seq, reference) = setup();
+    // Split model.safetensors into two shards with an index, as large checkpoints ship.
+    let sharded = tempfile::tempdir().unwrap();
+    let bytes = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = st.names().into_iter().map(str::to_owned).collect();
+    names.sort();
+    let mut map = serde_json::Map::new();
+    for (i, part) in names.chunks(names.len() / 2 + 1).enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", i + 1);
+        let views: Vec<_> = part
+            .iter()
+            .map(|n| (n.clone(), st.tensor(n).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, &sharded.path().join(&file)).unwrap();
+        for n in part {
+            map.insert(n.clone(), serde_json::Value::String(file.clone()));
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(
+        sharded.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    std::fs::copy(
+        dir.path().join("config.json"),
+        sharded.path().join("config.json"),
+    )
+    .unwrap();
+    let mut ours = Ours::new(sharded.path(), 32);
+    let (_, logits) = ours.prefill(SeqId(0), &seq, 1);
+    for (pos, (a, b)) in logits.iter().zip(&reference).enumerate() {
+        assert_close(a, b, &format!("sharded position {pos}"));
+    }
+    // A corrupt shard is an error naming the file.
+    std::fs::write(
+        sharded.path().join("model-00002-of-00002.safetensors"),
+        b"not safetensors",
+    )
+    .unwrap();
+    let err = Llama::load(
+        Cpu::new(),
+        sharded.path(),
+        LoadOptions {
+            dtype: DType::F32,
+            kv_dtype: DType::F32,
+            num_blocks: 4,
+            num_host_blocks: 0,
+            block_size: 4,
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("model-00002-of-00002.safetensors"), "{err}");
+}

@@ -305,3 +305,35 @@ fn bad_input_gets_openai_errors_and_the_engine_keeps_serving() {
         PARIS
     );
 }
+
+#[test]
+fn engine_token_and_logprobs() {
+    let e = Engine::start("[auth]\nengine_token = \"gw-secret\"");
+    let body = format!(
+        r#"{{"model":"{MODEL}","prompt":"The quick brown fox","max_tokens":3,"temperature":0,"logprobs":2}}"#
+    );
+    assert_eq!(e.post("/v1/completions", &body).status, 401);
+    assert_eq!(e.get("/v1/models").status, 401);
+    let r = request(
+        e.addr,
+        "POST",
+        "/v1/completions",
+        &[("authorization", "Bearer gw-secret")],
+        &body,
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let lp = &r.json()["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 3, "{lp}");
+    assert_eq!(lp["tokens"][0], " with");
+    let first = lp["token_logprobs"][0].as_f64().unwrap();
+    assert!(first < 0.0 && first > -5.0, "{lp}");
+    let top = lp["top_logprobs"][0].as_object().unwrap();
+    assert_eq!(top.len(), 2, "{lp}");
+    // Greedy: the chosen token is the most likely one.
+    let best = top
+        .values()
+        .map(|v| v.as_f64().unwrap())
+        .fold(f64::MIN, f64::max);
+    assert!((best - first).abs() < 1e-4, "{lp}");
+    assert_eq!(lp["text_offset"][0], 0);
+}

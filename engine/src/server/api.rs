@@ -326,8 +326,13 @@ impl Output {
                     index,
                     reason,
                     text,
+                    token,
+                    logprobs,
                 } => {
                     let c = &mut choices[index as usize];
+                    if let (Some(t), Some(l)) = (token, logprobs.filter(|_| self.logprobs)) {
+                        c.tokens.push((t, c.text.len(), l));
+                    }
                     c.text.push_str(&text);
                     c.finish = Some(reason);
                 }
@@ -435,7 +440,11 @@ impl Output {
                     )));
                 }
                 let choice = match finish {
-                    Some(r) => ChatChunkChoice::finish(index, text, r),
+                    Some(r) => {
+                        let mut c = ChatChunkChoice::finish(index, text, r);
+                        c.logprobs = (!lps.is_empty()).then(|| self.chat_logprobs(&lps));
+                        c
+                    }
                     None => ChatChunkChoice::content(
                         index,
                         text,
@@ -485,9 +494,16 @@ impl Output {
                     index,
                     reason,
                     text,
+                    token,
+                    logprobs,
                 } => {
-                    let first = !std::mem::replace(&mut started[index as usize], true);
-                    self.chunk(index, text, Some(reason), None, first)
+                    let i = index as usize;
+                    let first = !std::mem::replace(&mut started[i], true);
+                    let lp = match (token, logprobs.filter(|_| self.logprobs)) {
+                        (Some(t), Some(l)) => Some((t, offsets[i], l)),
+                        _ => None,
+                    };
+                    self.chunk(index, text, Some(reason), lp, first)
                 }
                 Event::Done {
                     prompt_tokens,
