@@ -297,14 +297,21 @@ impl Scheduler {
             };
             plan.swap_in.extend(swap.to_device);
             self.swapped.remove(0);
-            let group = self.groups.get_mut(&gid).expect("swapped group");
-            group.status = SeqStatus::Running;
-            let arrival = group.arrival;
-            let at = self
-                .running
-                .partition_point(|g| self.groups[g].arrival < arrival);
-            self.running.insert(at, gid);
+            self.mark_running(gid);
         }
+    }
+
+    /// Moves `gid` into the running list, which stays in arrival order.
+    fn mark_running(&mut self, gid: GroupId) {
+        let Some(group) = self.groups.get_mut(&gid) else {
+            return;
+        };
+        group.status = SeqStatus::Running;
+        let arrival = group.arrival;
+        let at = self
+            .running
+            .partition_point(|g| self.groups[g].arrival < arrival);
+        self.running.insert(at, gid);
     }
 
     fn schedule_running_prefills(&mut self, plan: &mut StepPlan, budget: &mut Budget) {
@@ -392,13 +399,7 @@ impl Scheduler {
             // a tenant whose requests hit the cache cannot take every free slot.
             let work: usize = self.groups[&gid].live().map(|s| s.tokens.len()).sum();
             self.waiting.charge(tenant, work);
-            let group = self.groups.get_mut(&gid).expect("group");
-            group.status = SeqStatus::Running;
-            let arrival = group.arrival;
-            let at = self
-                .running
-                .partition_point(|g| self.groups[g].arrival < arrival);
-            self.running.insert(at, gid);
+            self.mark_running(gid);
             if !self.prefill_group(gid, plan, budget) {
                 return;
             }
