@@ -12,7 +12,7 @@ use crate::kv::{KvCacheManager, ScopeId};
 use crate::model::Llama;
 use crate::sampling::{Sampler, StopChecker, StopMatch, TokenLogprobs, Workspace};
 use crate::scheduler::{
-    FinishReason as SchedFinish, GroupId, NewGroup, Scheduler, StepPlan, TenantId,
+    FinishReason as SchedFinish, GroupId, NewGroup, Scheduler, StepItem, StepPlan, TenantId,
 };
 use crate::server::metrics::Metrics;
 use detok::Detokenizer;
@@ -291,9 +291,8 @@ impl<B: Backend> Worker<B> {
         if plan.is_empty() {
             return;
         }
-        let logits = self.forward(&plan);
+        let (logits, sampled) = self.forward(&plan);
         let vocab = self.model.config().vocab_size;
-        let sampled: Vec<_> = plan.items.iter().filter(|i| i.sample).copied().collect();
         for (k, item) in sampled.iter().enumerate() {
             let row = &logits[k * vocab..(k + 1) * vocab];
             self.on_logits(item.group, item.seq, row);
@@ -302,22 +301,24 @@ impl<B: Backend> Worker<B> {
             .update(|m| m.batch_tokens.observe(plan.num_tokens() as f64));
     }
 
-    fn forward(&mut self, plan: &StepPlan) -> Vec<f32> {
+    /// Runs the plan's items through the model; returns the logits of the sampled items, in
+    /// order, and those items. (The scheduler just planned every item, so each is found; an item
+    /// that is not would be skipped rather than take the engine down.)
+    fn forward(&mut self, plan: &StepPlan) -> (Vec<f32>, Vec<StepItem>) {
         let bs = self.sched.kv.block_size();
         let (mut tokens, mut positions, mut slots, mut rows) = (vec![], vec![], vec![], vec![]);
         let mut tables: Vec<Vec<u32>> = Vec::with_capacity(plan.items.len());
+        let mut items: Vec<StepItem> = Vec::with_capacity(plan.items.len());
         for item in &plan.items {
-            let group = self.sched.group(item.group).expect("scheduled group");
-            let seq = group
-                .seqs
-                .iter()
-                .find(|s| s.id == item.seq)
-                .expect("scheduled sequence");
-            let table = self
+            let seq = self
                 .sched
-                .kv
-                .block_table(item.seq)
-                .expect("scheduled table");
+                .group(item.group)
+                .and_then(|g| g.seqs.iter().find(|s| s.id == item.seq));
+            let (Some(seq), Some(table)) = (seq, self.sched.kv.block_table(item.seq)) else {
+                tracing::error!(?item, "scheduled item without a sequence; skipped");
+                continue;
+            };
+            items.push(*item);
             for p in item.start..item.start + item.len {
                 tokens.push(seq.tokens[p]);
                 positions.push(p as u32);
@@ -329,8 +330,7 @@ impl<B: Backend> Worker<B> {
             tables.push(table.blocks().iter().map(|b| b.0).collect());
         }
         let mut start = 0;
-        let seqs: Vec<AttnSeq<'_>> = plan
-            .items
+        let seqs: Vec<AttnSeq<'_>> = items
             .iter()
             .zip(&tables)
             .map(|(item, table)| {
@@ -344,13 +344,17 @@ impl<B: Backend> Worker<B> {
                 s
             })
             .collect();
-        self.model.forward(&crate::model::Batch {
+        if tokens.is_empty() {
+            return (Vec::new(), Vec::new());
+        }
+        let logits = self.model.forward(&crate::model::Batch {
             tokens: &tokens,
             positions: &positions,
             slots: &slots,
             seqs: &seqs,
             logits_rows: &rows,
-        })
+        });
+        (logits, items.into_iter().filter(|i| i.sample).collect())
     }
 
     /// Samples the next token of `seq` (or of every sample, right after the prompt of an `n > 1`
