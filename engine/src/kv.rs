@@ -19,15 +19,16 @@ mod invariants;
 pub mod manager;
 pub mod prefix_index;
 mod swap;
+pub mod types;
 
 pub use block_pool::BlockPool;
 pub use block_table::BlockTable;
 pub use event_log::EventLog;
-pub use manager::{
-    AppendOutcome, HashedPrompt, KvCacheManager, KvConfig, KvCounters, KvError, KvUsage,
-    PromptAllocation, SwapPlan,
-};
+pub use manager::KvCacheManager;
 pub use prefix_index::PrefixIndex;
+pub use types::{
+    AppendOutcome, HashedPrompt, KvConfig, KvCounters, KvError, KvUsage, PromptAllocation, SwapPlan,
+};
 
 use std::fmt;
 

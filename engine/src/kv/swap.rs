@@ -4,7 +4,8 @@
 //! the group gets exactly one host copy. Swap-in first looks each block's hash up in the device
 //! index: a prefix still cached on the device is touched instead of copied back.
 
-use super::manager::{HostMeta, KvCacheManager, KvError, SwapPlan};
+use super::manager::{HostMeta, KvCacheManager};
+use super::types::{KvError, SwapPlan};
 use super::{BlockId, BlockTable, HostBlockId, SeqId};
 use std::collections::HashMap;
 
