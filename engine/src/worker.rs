@@ -42,21 +42,15 @@ pub struct Submit {
 /// What a request's channel carries, per sample `index`.
 #[derive(Debug, Clone)]
 pub enum Event {
-    /// New text (may be empty while a character or a possible stop string is incomplete).
-    Token {
+    /// The text a token added to sample `index` (may be empty while a character or a possible
+    /// stop string is incomplete). `token` and `logprobs` are absent when the token is not part
+    /// of the output (an EOS or stop token). `finish` is set on the sample's last piece.
+    Piece {
         index: u32,
-        token: u32,
-        text: String,
-        logprobs: Option<TokenLogprobs>,
-    },
-    /// Sample `index` ended; `text` is its last piece of text. `token` and `logprobs` are the
-    /// last token's when it is part of the output (not for an EOS or stop token).
-    Finished {
-        index: u32,
-        reason: FinishReason,
         text: String,
         token: Option<u32>,
         logprobs: Option<TokenLogprobs>,
+        finish: Option<FinishReason>,
     },
     /// Every sample ended.
     Done {
@@ -426,35 +420,23 @@ impl<B: Backend> Worker<B> {
                 m.itl.observe(now.duration_since(t).as_secs_f64());
             }
         });
-        let event = match &finish {
+        let (keep, output) = match &finish {
             Some(f) => {
-                let keep = f.text_len.max(sample.sent).min(sample.detok.text.len());
-                let text = sample.detok.text[sample.sent..keep].to_owned();
-                sample.sent = keep;
                 sample.done = true;
                 let output = !matches!(f.matched, StopMatch::Eos(_) | StopMatch::StopToken(_));
-                Event::Finished {
-                    index: index as u32,
-                    reason: f.reason,
-                    text,
-                    token: output.then_some(sampled.token),
-                    logprobs: sampled.logprobs.clone().filter(|_| output),
-                }
+                (f.text_len, output)
             }
-            None => {
-                let ready = sample
-                    .stop
-                    .streamable_len(&sample.detok.text)
-                    .max(sample.sent);
-                let text = sample.detok.text[sample.sent..ready].to_owned();
-                sample.sent = ready;
-                Event::Token {
-                    index: index as u32,
-                    token: sampled.token,
-                    text,
-                    logprobs: sampled.logprobs,
-                }
-            }
+            None => (sample.stop.streamable_len(&sample.detok.text), true),
+        };
+        let keep = keep.max(sample.sent).min(sample.detok.text.len());
+        let text = sample.detok.text[sample.sent..keep].to_owned();
+        sample.sent = keep;
+        let event = Event::Piece {
+            index: index as u32,
+            text,
+            token: output.then_some(sampled.token),
+            logprobs: sampled.logprobs.filter(|_| output),
+            finish: finish.as_ref().map(|f| f.reason),
         };
         let delivered = req.events.send(event).is_ok();
         if !delivered {

@@ -310,31 +310,19 @@ impl Output {
         let mut choices: Vec<Choice> = (0..self.n).map(|_| Choice::default()).collect();
         while let Some(ev) = rx.recv().await {
             match ev {
-                Event::Token {
+                Event::Piece {
                     index,
-                    token,
-                    text,
-                    logprobs,
-                } => {
-                    let c = &mut choices[index as usize];
-                    if let Some(l) = logprobs.filter(|_| self.logprobs) {
-                        c.tokens.push((token, c.text.len(), l));
-                    }
-                    c.text.push_str(&text);
-                }
-                Event::Finished {
-                    index,
-                    reason,
                     text,
                     token,
                     logprobs,
+                    finish,
                 } => {
                     let c = &mut choices[index as usize];
                     if let (Some(t), Some(l)) = (token, logprobs.filter(|_| self.logprobs)) {
                         c.tokens.push((t, c.text.len(), l));
                     }
                     c.text.push_str(&text);
-                    c.finish = Some(reason);
+                    c.finish = finish.or(c.finish);
                 }
                 Event::Done {
                     prompt_tokens,
@@ -473,37 +461,24 @@ impl Output {
         let mut offsets = vec![0usize; self.n as usize];
         while let Some(ev) = rx.recv().await {
             let frame = match ev {
-                Event::Token {
+                Event::Piece {
                     index,
-                    token,
-                    text,
-                    logprobs,
-                } => {
-                    let i = index as usize;
-                    let lp = logprobs
-                        .filter(|_| self.logprobs)
-                        .map(|l| (token, offsets[i], l));
-                    if text.is_empty() && lp.is_none() && started[i] {
-                        continue;
-                    }
-                    offsets[i] += text.len();
-                    let first = !std::mem::replace(&mut started[i], true);
-                    self.chunk(index, text, None, lp, first)
-                }
-                Event::Finished {
-                    index,
-                    reason,
                     text,
                     token,
                     logprobs,
+                    finish,
                 } => {
                     let i = index as usize;
-                    let first = !std::mem::replace(&mut started[i], true);
                     let lp = match (token, logprobs.filter(|_| self.logprobs)) {
                         (Some(t), Some(l)) => Some((t, offsets[i], l)),
                         _ => None,
                     };
-                    self.chunk(index, text, Some(reason), lp, first)
+                    if text.is_empty() && lp.is_none() && finish.is_none() && started[i] {
+                        continue;
+                    }
+                    offsets[i] += text.len();
+                    let first = !std::mem::replace(&mut started[i], true);
+                    self.chunk(index, text, finish, lp, first)
                 }
                 Event::Done {
                     prompt_tokens,
