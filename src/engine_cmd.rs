@@ -1,5 +1,4 @@
-//! `kvgate engine --config engine.toml` (one engine instance) and `kvgate serve` (everything on
-//! one machine, zero configuration).
+//! `kvgate engine --config engine.toml`: one engine instance.
 
 use crate::model_cmd;
 use anyhow::{Context, Result};
@@ -20,15 +19,6 @@ pub struct EngineArgs {
     model: Option<PathBuf>,
 }
 
-#[derive(Args, Debug)]
-pub struct ServeArgs {
-    #[arg(long, default_value = "127.0.0.1:8080")]
-    listen: String,
-    /// Model directory or .gguf file (default: SmolLM2-135M-Instruct, fetched on first use).
-    #[arg(long)]
-    model: Option<PathBuf>,
-}
-
 pub fn engine(args: EngineArgs) -> Result<()> {
     let mut config = match &args.config {
         Some(path) => {
@@ -45,21 +35,10 @@ pub fn engine(args: EngineArgs) -> Result<()> {
         config.model = Some(m);
     }
     config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
-    run(config, None)
+    run(config)
 }
 
-pub fn serve(args: ServeArgs) -> Result<()> {
-    let config = EngineConfig {
-        listen: args.listen,
-        model: args.model,
-        model_id: Some("smollm2-135m-instruct".into()),
-        ..EngineConfig::default()
-    };
-    config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
-    run(config, Some(()))
-}
-
-fn run(config: EngineConfig, banner: Option<()>) -> Result<()> {
+fn run(config: EngineConfig) -> Result<()> {
     init_tracing();
     let dir = model_cmd::resolve(config.model.as_deref())?;
     let state = launch::start(&config, &dir)
@@ -75,14 +54,6 @@ fn run(config: EngineConfig, banner: Option<()>) -> Result<()> {
             .with_context(|| format!("binding {}", config.listen))?;
         let addr = listener.local_addr()?;
         tracing::info!(%addr, model = %state.model_id, "engine listening");
-        if banner.is_some() {
-            println!("kvgate is serving {} on http://{addr}", state.model_id);
-            println!(
-                "try: curl http://{addr}/v1/chat/completions -H 'content-type: application/json' \
-                 -d '{{\"model\":\"{}\",\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}]}}'",
-                state.model_id
-            );
-        }
         let shutdown = async {
             let _ = tokio::signal::ctrl_c().await;
         };
@@ -91,7 +62,7 @@ fn run(config: EngineConfig, banner: Option<()>) -> Result<()> {
     })
 }
 
-fn init_tracing() {
+pub fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()

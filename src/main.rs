@@ -1,10 +1,13 @@
 //! `kvgate`: the one binary. Each subcommand wires the library crates together.
 
+mod admin_cmd;
 mod assets;
 mod bench;
 mod engine_cmd;
+mod gateway_cmd;
 mod generate_cmd;
 mod model_cmd;
+mod serve_cmd;
 mod sim_cmd;
 
 use clap::{Parser, Subcommand};
@@ -23,12 +26,18 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Operator CLI over the gateway's admin API: tenants, keys, engines, drain, cache flush.
+    Admin(admin_cmd::AdminArgs),
     /// Load generator for an OpenAI-compatible server (engine or gateway).
     Bench(bench::BenchArgs),
     /// Run one engine instance (OpenAI API, metrics, admin, KV events).
     Engine(engine_cmd::EngineArgs),
+    /// Run the gateway (tenants, keys, rate limits, prefix-aware routing, admin API).
+    Gateway(gateway_cmd::GatewayArgs),
+    /// Apply the Redis keyspace migrations.
+    Migrate(gateway_cmd::MigrateArgs),
     /// Run kvgate on this machine with the default model, zero configuration.
-    Serve(engine_cmd::ServeArgs),
+    Serve(serve_cmd::ServeArgs),
     /// Generate text for one prompt through the engine path (block manager, paged attention).
     Generate(generate_cmd::GenerateArgs),
     /// Fetch the default model or import a GGUF file.
@@ -41,9 +50,12 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Admin(args) => admin_cmd::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Gateway(args) => gateway_cmd::gateway(args),
+        Command::Migrate(args) => gateway_cmd::migrate(args),
         Command::Engine(args) => engine_cmd::engine(args),
-        Command::Serve(args) => engine_cmd::serve(args),
+        Command::Serve(args) => serve_cmd::serve(args),
         Command::Generate(args) => generate_cmd::run(args),
         Command::Model(cmd) => model_cmd::run(cmd),
         Command::Sim(args) => sim_cmd::run(args),

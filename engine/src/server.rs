@@ -16,10 +16,8 @@ pub mod metrics;
 use crate::worker::Command;
 use http::{error_response, RespBody};
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response};
-use hyper_util::rt::TokioIo;
 use kvgate_protocol::openai::{ApiError, Limits};
 use kvgate_protocol::prompt::PromptRenderer;
 use kvgate_protocol::KvEventRecord;
@@ -64,36 +62,15 @@ pub async fn run(
     state: Arc<ServerState>,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
-    let mut shutdown = std::pin::pin!(shutdown);
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let (stream, _) = match accepted {
-                    Ok(x) => x,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
-                        continue;
-                    }
-                };
-                let _ = stream.set_nodelay(true);
-                let state = state.clone();
-                let conn = http1::Builder::new().serve_connection(
-                    TokioIo::new(stream),
-                    service_fn(move |req| route(state.clone(), req)),
-                );
-                let conn = graceful.watch(conn);
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(error = %e, "connection ended");
-                    }
-                });
-            }
-            () = &mut shutdown => break,
-        }
-    }
-    graceful.shutdown().await;
-    Ok(())
+    http::serve(
+        listener,
+        move || {
+            let state = state.clone();
+            service_fn(move |req| route(state.clone(), req))
+        },
+        shutdown,
+    )
+    .await
 }
 
 async fn route(

@@ -10,6 +10,9 @@
 // gather_rows:       grid (n), 256 threads: out[i] = x[rows[i]] (logits of the last token of
 //                    each sequence before the LM head).
 // add_assign:        grid-stride over n elements: x += y.
+// add_bias_<t>:      grid-stride over n = rows * cols elements: out[i] += bias[i % cols].
+// convert_f32_to_<t>: grid-stride over n elements: out[i] = (t) x[i] (round to nearest even);
+//                    activations narrowed for a cuBLAS half-precision GEMM.
 #include "kvgate_common.cuh"
 
 namespace kvgate {
@@ -91,3 +94,26 @@ extern "C" __global__ void __launch_bounds__(1024) add_assign(float* x, const fl
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         x[i] += y[i];
 }
+
+#define KVGATE_ELEMENTWISE(NAME, T)                                                                   \
+    extern "C" __global__ void __launch_bounds__(1024) add_bias_##NAME(float* out, const T* bias,    \
+                                                                       int cols, long n) {           \
+        for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n;                             \
+             i += (long)gridDim.x * blockDim.x)                                                       \
+            out[i] += kvgate::to_f32(bias[i % cols]);                                                 \
+    }
+
+KVGATE_ELEMENTWISE(f32, float)
+KVGATE_ELEMENTWISE(f16, __half)
+KVGATE_ELEMENTWISE(bf16, __nv_bfloat16)
+
+#define KVGATE_CONVERT(NAME, T)                                                                       \
+    extern "C" __global__ void __launch_bounds__(1024) convert_f32_to_##NAME(T* out, const float* x, \
+                                                                             long n) {               \
+        for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n;                             \
+             i += (long)gridDim.x * blockDim.x)                                                       \
+            out[i] = kvgate::from_f32<T>(x[i]);                                                       \
+    }
+
+KVGATE_CONVERT(f16, __half)
+KVGATE_CONVERT(bf16, __nv_bfloat16)

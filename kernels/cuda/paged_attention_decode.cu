@@ -178,6 +178,7 @@ __device__ __forceinline__ void decode_v2_reduce(float* __restrict__ out, const 
     KVGATE_DECODE(NAME, T, 128, 16)  \
     KVGATE_DECODE(NAME, T, 128, 32)
 
+KVGATE_DECODE_DTYPE(f32, float)
 KVGATE_DECODE_DTYPE(f16, __half)
 KVGATE_DECODE_DTYPE(bf16, __nv_bfloat16)
 

@@ -130,5 +130,6 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
     KVGATE_PREFILL(NAME, T, 128, 16)  \
     KVGATE_PREFILL(NAME, T, 128, 32)
 
+KVGATE_PREFILL_DTYPE(f32, float)
 KVGATE_PREFILL_DTYPE(f16, __half)
 KVGATE_PREFILL_DTYPE(bf16, __nv_bfloat16)

@@ -157,6 +157,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn weight(&self, data: WeightData, rows: usize, cols: usize) -> Self::Weight;
     /// A zeroed pool of `num_blocks` blocks for one layer's K or V.
     fn cache(&self, num_blocks: usize, shape: AttnShape, dtype: DType) -> Self::Cache;
+    /// A pool in host memory for swapped-out blocks (`transfer_blocks` moves blocks between it
+    /// and a device pool). A backend whose device memory is host memory keeps the default.
+    fn host_cache(&self, num_blocks: usize, shape: AttnShape, dtype: DType) -> Self::Cache {
+        self.cache(num_blocks, shape, dtype)
+    }
     /// Precomputes rotary tables.
     fn rope(&self, config: &RopeConfig) -> Self::Rope;
 
@@ -202,6 +207,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     );
     /// Copy-on-write: for each `(src, dst)`, block `dst` becomes a copy of block `src`.
     fn copy_blocks(&self, cache: &mut Self::Cache, pairs: &[(u32, u32)]);
+    /// [`Backend::copy_blocks`] in every pool of `caches` (all layers' K and V of one step); a GPU
+    /// backend does them all in one launch.
+    fn copy_blocks_many(&self, caches: &mut [&mut Self::Cache], pairs: &[(u32, u32)]) {
+        for cache in caches.iter_mut() {
+            self.copy_blocks(cache, pairs);
+        }
+    }
     /// Copies blocks between two caches (device -> host swap and back): `(src in from, dst in to)`.
     fn transfer_blocks(&self, from: &Self::Cache, to: &mut Self::Cache, pairs: &[(u32, u32)]);
 }

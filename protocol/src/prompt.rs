@@ -143,6 +143,17 @@ impl PromptRenderer {
         Ok(ids)
     }
 
+    /// Token ids of `text` as a continuation of an earlier encoded text: no BOS. Encoding a text
+    /// in two pieces split right before a special token (as a chat template's turns are) gives
+    /// the same ids as encoding it whole.
+    pub fn encode_continuation(&self, text: &str) -> Result<Vec<u32>, PromptError> {
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| PromptError::Tokenize(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     /// Renders and encodes a conversation.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, PromptError> {
         self.encode(&self.render_chat(messages, true)?)

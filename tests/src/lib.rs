@@ -3,6 +3,9 @@
 //! `127.0.0.1:0`, and a small blocking HTTP/1.1 client (JSON and SSE) to talk to it like any
 //! client would.
 
+pub mod gateway;
+pub mod redis;
+
 use kvgate_engine::model::gguf::import_gguf;
 use kvgate_engine::server::{self, config::EngineConfig, launch, ServerState};
 use serde_json::Value;

@@ -210,7 +210,7 @@ impl<B: Backend> Llama<B> {
         let v_cache = (0..c.num_layers)
             .map(|_| backend.cache(opts.num_blocks, shape, opts.kv_dtype))
             .collect();
-        let host = |_| backend.cache(opts.num_host_blocks, shape, opts.kv_dtype);
+        let host = |_| backend.host_cache(opts.num_host_blocks, shape, opts.kv_dtype);
         let k_host = (0..c.num_layers).map(host).collect();
         let v_host = (0..c.num_layers).map(host).collect();
         let scratch = Scratch {
@@ -323,9 +323,13 @@ impl<B: Backend> Llama<B> {
         if pairs.is_empty() {
             return;
         }
-        for cache in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
-            self.backend.copy_blocks(cache, pairs);
-        }
+        // Every layer's K and V at once (one launch on a GPU).
+        let mut caches: Vec<&mut B::Cache> = self
+            .k_cache
+            .iter_mut()
+            .chain(self.v_cache.iter_mut())
+            .collect();
+        self.backend.copy_blocks_many(&mut caches, pairs);
     }
 }
 

@@ -5,10 +5,13 @@
 //! listen = "127.0.0.1:8081"
 //! model = "/models/smollm2-135m-instruct"   # omit: the default model, fetched on first use
 //! model_id = "smollm2-135m-instruct"        # the name clients send; default: the directory's
-//! device = "cpu"
+//! device = "cpu"                            # or "cuda" / "cuda:N" (builds with --features cuda)
 //! dtype = "f32"                             # weights in memory: f32, f16, bf16
 //! [kv]
 //! blocks = 4096                             # or: bytes = 1073741824
+//! gpu_memory_fraction = 0.9                 # cuda, neither blocks nor bytes set: the KV pool
+//!                                           # takes this share of free GPU memory left after
+//!                                           # weights and activations
 //! block_size = 16
 //! host_blocks = 1024                        # swap space
 //! hash_seed = "<64 hex digits>"             # deployment secret, the same on every engine
@@ -59,6 +62,10 @@ pub struct KvSection {
     pub host_blocks: u32,
     #[serde(default)]
     pub hash_seed: Option<String>,
+    /// CUDA only, when neither `blocks` nor `bytes` is set: the share of the free GPU memory
+    /// (after weights and activations) the KV pool takes.
+    #[serde(default = "default_gpu_memory_fraction")]
+    pub gpu_memory_fraction: f64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -88,6 +95,9 @@ fn default_device() -> String {
 fn default_dtype() -> String {
     "f32".into()
 }
+fn default_gpu_memory_fraction() -> f64 {
+    0.9
+}
 fn default_block_size() -> u32 {
     16
 }
@@ -112,6 +122,7 @@ impl Default for KvSection {
             block_size: default_block_size(),
             host_blocks: 0,
             hash_seed: None,
+            gpu_memory_fraction: default_gpu_memory_fraction(),
         }
     }
 }
@@ -141,11 +152,19 @@ impl EngineConfig {
     }
 
     pub fn validate(&self) -> Result<(), String> {
-        if self.device != "cpu" {
+        if self.device != "cpu" && cuda_ordinal(&self.device).is_none() {
+            let built = if cfg!(feature = "cuda") {
+                "cpu, cuda, cuda:N"
+            } else {
+                "cpu; cuda needs --features cuda"
+            };
             return Err(format!(
-                "device: {:?} is not available in this build (cpu)",
+                "device: {:?} is not available in this build ({built})",
                 self.device
             ));
+        }
+        if !(self.kv.gpu_memory_fraction > 0.0 && self.kv.gpu_memory_fraction <= 1.0) {
+            return Err("kv.gpu_memory_fraction: must be in (0, 1]".into());
         }
         if !["f32", "f16", "bf16"].contains(&self.dtype.as_str()) {
             return Err(format!(
@@ -184,6 +203,17 @@ impl EngineConfig {
             .as_deref()
             .and_then(|s| parse_seed(s).ok())
             .unwrap_or([0; 32])
+    }
+}
+
+/// The GPU ordinal of a `cuda` / `cuda:N` device, in a build with the `cuda` feature.
+pub fn cuda_ordinal(device: &str) -> Option<usize> {
+    if !cfg!(feature = "cuda") {
+        return None;
+    }
+    match device.strip_prefix("cuda")? {
+        "" => Some(0),
+        n => n.strip_prefix(':')?.parse().ok(),
     }
 }
 

@@ -8,7 +8,7 @@ use crate::kv::{KvCacheManager, KvConfig};
 use crate::model::{Llama, LoadOptions, ModelConfig, ModelError};
 use crate::scheduler::{PreemptMode, Scheduler, SchedulerConfig};
 use crate::worker::Worker;
-use kvgate_kernels::{Cpu, DType};
+use kvgate_kernels::{Backend, Cpu, DType};
 use kvgate_protocol::openai::Limits;
 use kvgate_protocol::prompt::PromptRenderer;
 use kvgate_protocol::{BlockHasher, HashParams};
@@ -28,6 +28,8 @@ pub enum LaunchError {
     Config(String),
     #[error("cannot start the engine thread: {0}")]
     Thread(std::io::Error),
+    #[error("device: {0}")]
+    Device(String),
 }
 
 fn dtype(name: &str) -> DType {
@@ -42,10 +44,25 @@ fn dtype(name: &str) -> DType {
 /// caller binds a listener and calls [`super::run`]).
 pub fn start(config: &EngineConfig, dir: &Path) -> Result<Arc<ServerState>, LaunchError> {
     config.validate().map_err(LaunchError::Config)?;
+    #[cfg(feature = "cuda")]
+    if let Some(ordinal) = super::config::cuda_ordinal(&config.device) {
+        return cuda::start(config, dir, ordinal);
+    }
+    start_on(Cpu::new(), config, dir, DType::F32, |_, _| Ok(2048))
+}
+
+/// Starts the engine on `backend` with a KV pool of `kv_dtype`; `default_blocks(bytes per block,
+/// model)` sizes the pool when the config gives neither `kv.blocks` nor `kv.bytes`.
+fn start_on<B: Backend + 'static>(
+    backend: B,
+    config: &EngineConfig,
+    dir: &Path,
+    kv_dtype: DType,
+    default_blocks: impl FnOnce(usize, &ModelConfig) -> Result<usize, LaunchError>,
+) -> Result<Arc<ServerState>, LaunchError> {
     let model_config = ModelConfig::load(dir)?;
     let renderer = Arc::new(PromptRenderer::from_dir(dir)?);
     let wdtype = dtype(&config.dtype);
-    let kv_dtype = DType::F32;
     let block_size = config.kv.block_size as usize;
     let per_block = 2
         * model_config.num_layers
@@ -56,10 +73,10 @@ pub fn start(config: &EngineConfig, dir: &Path) -> Result<Arc<ServerState>, Laun
     let num_blocks = match (config.kv.blocks, config.kv.bytes) {
         (Some(b), _) => b as usize,
         (None, Some(bytes)) => (bytes as usize / per_block).max(1),
-        (None, None) => 2048,
+        (None, None) => default_blocks(per_block, &model_config)?,
     };
     let model = Llama::load(
-        Cpu::new(),
+        backend,
         dir,
         LoadOptions {
             dtype: wdtype,
@@ -142,4 +159,86 @@ pub fn start(config: &EngineConfig, dir: &Path) -> Result<Arc<ServerState>, Laun
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
     }))
+}
+
+/// The CUDA engine: KV in the weights' storage type, the pool sized from free GPU memory.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::{dtype, start_on, EngineConfig, LaunchError, ModelConfig, ServerState};
+    use kvgate_kernels::{Cuda, DType};
+    use std::path::Path;
+    use std::sync::Arc;
+
+    pub(super) fn start(
+        config: &EngineConfig,
+        dir: &Path,
+        ordinal: usize,
+    ) -> Result<Arc<ServerState>, LaunchError> {
+        let cuda = Cuda::new(ordinal).map_err(|e| LaunchError::Device(e.to_string()))?;
+        let (free, _) = cuda
+            .mem_info()
+            .map_err(|e| LaunchError::Device(e.to_string()))?;
+        let wdtype = dtype(&config.dtype);
+        let fraction = config.kv.gpu_memory_fraction;
+        let block_size = config.kv.block_size as usize;
+        let tokens = config.scheduler.max_batched_tokens;
+        let seqs = config.scheduler.max_seqs;
+        tracing::info!(
+            gpu = cuda.device_name(),
+            arch = cuda.arch(),
+            free_bytes = free,
+            "cuda"
+        );
+        start_on(cuda, config, dir, wdtype, move |per_block, m| {
+            if !matches!(m.head_dim, 64 | 128) || !matches!(block_size, 16 | 32) {
+                return Err(LaunchError::Config(format!(
+                    "device cuda: head_dim {} / kv.block_size {block_size} (the CUDA kernels \
+                     support head_dim 64 or 128 and block_size 16 or 32)",
+                    m.head_dim
+                )));
+            }
+            let reserved = weight_bytes(m, wdtype) + activation_bytes(m, tokens, seqs);
+            let budget = (free as f64 * fraction) as usize;
+            let blocks = budget.saturating_sub(reserved) / per_block;
+            if blocks == 0 {
+                return Err(LaunchError::Device(format!(
+                    "no GPU memory left for the KV pool: {free} bytes free, {fraction} of it \
+                     allowed, {reserved} needed for weights and activations"
+                )));
+            }
+            Ok(blocks)
+        })
+    }
+
+    /// Bytes of the model's weights in `dtype` (norms and biases are f32).
+    fn weight_bytes(m: &ModelConfig, dtype: DType) -> usize {
+        let (h, q, kv, ffn) = (
+            m.hidden_size,
+            m.num_heads * m.head_dim,
+            m.num_kv_heads * m.head_dim,
+            m.intermediate_size,
+        );
+        let per_layer = h * (q + 2 * kv) + q * h + 3 * ffn * h;
+        let tables = if m.tie_word_embeddings { 1 } else { 2 } * m.vocab_size * h;
+        (m.num_layers * per_layer + tables) * dtype.size_bytes()
+            + (m.num_layers * (2 * h + q + 2 * kv) + h) * 4
+    }
+
+    /// Activation buffers of a step of `tokens` tokens and `seqs` sequences, the split-KV
+    /// scratch, the rotary tables, plus 512 MiB for the CUDA context and cuBLAS workspaces.
+    fn activation_bytes(m: &ModelConfig, tokens: usize, seqs: usize) -> usize {
+        let (h, q, kv, ffn) = (
+            m.hidden_size,
+            m.num_heads * m.head_dim,
+            m.num_kv_heads * m.head_dim,
+            m.intermediate_size,
+        );
+        let per_token = 3 * h + 2 * q + 2 * kv + 3 * ffn;
+        let partitions = m.max_position_embeddings.div_ceil(512);
+        let split_kv = seqs * m.num_heads * partitions * (m.head_dim + 2);
+        let rope = m.max_position_embeddings * m.head_dim;
+        (tokens * per_token + seqs * m.vocab_size + split_kv + rope) * 4
+            + tokens * h.max(ffn) * 2
+            + (512 << 20)
+    }
 }

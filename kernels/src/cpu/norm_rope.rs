@@ -169,6 +169,12 @@ pub struct CpuRope {
 }
 
 impl CpuRope {
+    /// The `cos` and `sin` tables, `[max_positions, head_dim / 2]` row-major (what a GPU backend
+    /// uploads).
+    pub fn tables(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
+    }
+
     /// Builds the tables for `config.max_positions` positions.
     pub fn new(config: &RopeConfig) -> Self {
         let inv_freq = inv_freq(config);

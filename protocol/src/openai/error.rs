@@ -31,6 +31,8 @@ pub enum ErrorCode {
     ModelNotFound,
     /// 404: no such path.
     UnknownUrl,
+    /// 404: a named resource (tenant, key, engine) does not exist.
+    NotFound,
     /// 405: the path exists, the method does not.
     MethodNotAllowed,
     /// 413: the body is over the limit.
@@ -63,6 +65,7 @@ impl ErrorCode {
             ErrorCode::PermissionDenied => "permission_denied",
             ErrorCode::ModelNotFound => "model_not_found",
             ErrorCode::UnknownUrl => "unknown_url",
+            ErrorCode::NotFound => "not_found",
             ErrorCode::MethodNotAllowed => "method_not_allowed",
             ErrorCode::RequestTooLarge => "request_too_large",
             ErrorCode::RateLimitExceeded => "rate_limit_exceeded",
@@ -85,7 +88,7 @@ impl ErrorCode {
             | ErrorCode::ContextLengthExceeded => 400,
             ErrorCode::InvalidApiKey => 401,
             ErrorCode::PermissionDenied => 403,
-            ErrorCode::ModelNotFound | ErrorCode::UnknownUrl => 404,
+            ErrorCode::ModelNotFound | ErrorCode::UnknownUrl | ErrorCode::NotFound => 404,
             ErrorCode::MethodNotAllowed => 405,
             ErrorCode::RequestTooLarge => 413,
             ErrorCode::RateLimitExceeded => 429,

@@ -1,0 +1,249 @@
+//! `gateway.toml`: parsed once into typed structs; errors name the field. Secrets may come from
+//! the environment instead of the file (`KVGATE_OPERATOR_TOKEN`, `KVGATE_ENGINE_TOKEN`,
+//! `KVGATE_PEPPER`, `KVGATE_HASH_SEED`, `KVGATE_REDIS`), which wins over the file.
+//!
+//! ```toml
+//! listen = "0.0.0.0:8080"            # tenants' OpenAI API
+//! admin_listen = "0.0.0.0:9090"      # admin API and /metrics (operator token)
+//! redis = "redis://redis:6379"       # omit: in-memory store (one process only)
+//! model = "/models/smollm2"          # tokenizer.json + chat template, the same as the engines'
+//! model_id = "smollm2-135m-instruct" # the id engines serve and hash with
+//! operator_token = "..."             # admin API; also sent to engines' /admin/*
+//! engine_token = "..."               # sent to engines on /v1/* and /kv/events
+//! pepper = "..."                     # API keys are stored as SHA-256(pepper | key)
+//! hash_seed = "<64 hex>"             # the engines' kv.hash_seed
+//! block_size = 16                    # the engines' kv.block_size
+//! kv_dtype = "f32"                   # the engines' KV storage type
+//! max_body_bytes = 4194304
+//! request_timeout_secs = 600         # until the response starts (streams may run longer)
+//! [routing]
+//! policy = "prefix"                  # prefix | round_robin | least_loaded | consistent_hash
+//! alpha = 1.0                        # tokens of prefix match worth one token of load
+//! kv_weight = 2048.0                 # load tokens for an engine whose KV cache is full
+//! load_factor = 1.25                 # bounded load: no engine above this x the mean
+//! [[engines]]
+//! name = "engine-0"
+//! url = "http://127.0.0.1:8081"
+//! ```
+
+use serde::Deserialize;
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayConfig {
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    #[serde(default = "default_admin_listen")]
+    pub admin_listen: String,
+    #[serde(default)]
+    pub redis: Option<String>,
+    #[serde(default)]
+    pub model: Option<PathBuf>,
+    #[serde(default = "default_model_id")]
+    pub model_id: String,
+    #[serde(default)]
+    pub operator_token: Option<String>,
+    #[serde(default)]
+    pub engine_token: Option<String>,
+    #[serde(default)]
+    pub pepper: Option<String>,
+    #[serde(default)]
+    pub hash_seed: Option<String>,
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    #[serde(default = "default_kv_dtype")]
+    pub kv_dtype: String,
+    #[serde(default = "default_body_limit")]
+    pub max_body_bytes: usize,
+    #[serde(default = "default_timeout")]
+    pub request_timeout_secs: u64,
+    /// How long a verified API key is trusted without asking the store again.
+    #[serde(default = "default_key_ttl")]
+    pub key_cache_ttl_secs: u64,
+    #[serde(default)]
+    pub routing: RoutingSection,
+    #[serde(default)]
+    pub engines: Vec<EngineEntry>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoutingSection {
+    #[serde(default = "default_policy")]
+    pub policy: String,
+    #[serde(default = "default_alpha")]
+    pub alpha: f64,
+    #[serde(default = "default_kv_weight")]
+    pub kv_weight: f64,
+    #[serde(default = "default_load_factor")]
+    pub load_factor: f64,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct EngineEntry {
+    pub name: String,
+    pub url: String,
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:8080".into()
+}
+fn default_admin_listen() -> String {
+    "127.0.0.1:9090".into()
+}
+fn default_model_id() -> String {
+    "smollm2-135m-instruct".into()
+}
+fn default_block_size() -> u32 {
+    16
+}
+fn default_kv_dtype() -> String {
+    "f32".into()
+}
+fn default_body_limit() -> usize {
+    4 << 20
+}
+fn default_timeout() -> u64 {
+    600
+}
+fn default_key_ttl() -> u64 {
+    30
+}
+fn default_policy() -> String {
+    "prefix".into()
+}
+fn default_alpha() -> f64 {
+    1.0
+}
+fn default_kv_weight() -> f64 {
+    2048.0
+}
+fn default_load_factor() -> f64 {
+    1.25
+}
+
+impl Default for RoutingSection {
+    fn default() -> Self {
+        toml::from_str("").expect("every field has a default")
+    }
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        toml::from_str("").expect("every field has a default")
+    }
+}
+
+impl GatewayConfig {
+    /// Parses TOML text, applies `KVGATE_*` environment overrides, and validates.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut c: GatewayConfig = toml::from_str(text).map_err(|e| e.to_string())?;
+        c.apply_env(|k| std::env::var(k).ok());
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Secrets and the store from the environment (`get` is `std::env::var` outside tests).
+    pub fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) {
+        let pairs: [(&str, &mut Option<String>); 5] = [
+            ("KVGATE_OPERATOR_TOKEN", &mut self.operator_token),
+            ("KVGATE_ENGINE_TOKEN", &mut self.engine_token),
+            ("KVGATE_PEPPER", &mut self.pepper),
+            ("KVGATE_HASH_SEED", &mut self.hash_seed),
+            ("KVGATE_REDIS", &mut self.redis),
+        ];
+        for (key, field) in pairs {
+            if let Some(v) = get(key).filter(|v| !v.is_empty()) {
+                *field = Some(v);
+            }
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        for (field, addr) in [
+            ("listen", &self.listen),
+            ("admin_listen", &self.admin_listen),
+        ] {
+            addr.parse::<std::net::SocketAddr>()
+                .map_err(|e| format!("{field}: {e}"))?;
+        }
+        if !(1..=256).contains(&self.block_size) {
+            return Err("block_size: must be 1 to 256".into());
+        }
+        if let Some(seed) = &self.hash_seed {
+            parse_seed(seed)?;
+        }
+        if !["prefix", "round_robin", "least_loaded", "consistent_hash"]
+            .contains(&self.routing.policy.as_str())
+        {
+            return Err(format!(
+                "routing.policy: {:?} (expected prefix, round_robin, least_loaded or consistent_hash)",
+                self.routing.policy
+            ));
+        }
+        if !(self.routing.alpha >= 0.0 && self.routing.alpha.is_finite()) {
+            return Err("routing.alpha: must be a finite number >= 0".into());
+        }
+        if !(self.routing.load_factor >= 1.0 && self.routing.load_factor.is_finite()) {
+            return Err("routing.load_factor: must be >= 1".into());
+        }
+        if self.pepper.as_deref().is_some_and(|p| p.len() < 16) {
+            return Err("pepper: must be at least 16 characters".into());
+        }
+        for (i, e) in self.engines.iter().enumerate() {
+            if e.name.is_empty() || !e.url.starts_with("http://") {
+                return Err(format!(
+                    "engines[{i}]: needs a name and an http:// url (got {:?})",
+                    e.url
+                ));
+            }
+        }
+        if self.max_body_bytes == 0 || self.request_timeout_secs == 0 {
+            return Err("max_body_bytes and request_timeout_secs: must be positive".into());
+        }
+        Ok(())
+    }
+
+    /// The deployment seed the engines hash with (zeros when unset, as on the engines).
+    pub fn seed(&self) -> [u8; 32] {
+        self.hash_seed
+            .as_deref()
+            .and_then(|s| parse_seed(s).ok())
+            .unwrap_or([0; 32])
+    }
+}
+
+fn parse_seed(s: &str) -> Result<[u8; 32], String> {
+    crate::tenant::hex32::decode(s).ok_or_else(|| "hash_seed: expected 64 hex digits".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_env_and_errors_name_the_field() {
+        let c = GatewayConfig::parse("").unwrap();
+        assert_eq!(c.routing.policy, "prefix");
+        assert_eq!(c.block_size, 16);
+        for (text, field) in [
+            ("listen = \"x\"", "listen"),
+            ("[routing]\npolicy = \"random\"", "routing.policy"),
+            ("hash_seed = \"abc\"", "hash_seed"),
+            ("pepper = \"short\"", "pepper"),
+            ("[[engines]]\nname = \"e\"\nurl = \"ftp://x\"", "engines[0]"),
+            ("bogus = 1", "bogus"),
+        ] {
+            let e = GatewayConfig::parse(text).unwrap_err();
+            assert!(e.contains(field), "{e} should name {field}");
+        }
+        let mut c = GatewayConfig {
+            operator_token: Some("file".into()),
+            ..GatewayConfig::default()
+        };
+        c.apply_env(|k| (k == "KVGATE_OPERATOR_TOKEN").then(|| "env".to_owned()));
+        assert_eq!(c.operator_token.as_deref(), Some("env"));
+    }
+}

@@ -1,0 +1,234 @@
+//! The gateway's Prometheus metrics (names in shared/DESIGN.md), rendered in the text exposition
+//! format on the admin listener's `/metrics`. Tenant labels only carry configured tenant ids
+//! (unauthenticated requests count under `tenant="-"`), so label sets stay bounded.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// A histogram with fixed upper bounds.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<AtomicU64>,
+    sum_micros: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Histogram {
+            bounds,
+            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_micros: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, v: f64) {
+        if let Some(i) = self.bounds.iter().position(|b| v <= *b) {
+            self.counts[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.sum_micros
+            .fetch_add((v.max(0.0) * 1e6) as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cum = 0;
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            cum += c.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cum}");
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
+    }
+}
+
+const LATENCY: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+const BLOCKS: &[f64] = &[
+    0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0,
+];
+
+/// A counter family keyed by label values.
+#[derive(Debug, Default)]
+struct Family(Mutex<BTreeMap<Vec<String>, f64>>);
+
+impl Family {
+    fn add(&self, labels: &[&str], v: f64) {
+        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        *m.entry(labels.iter().map(|s| (*s).to_owned()).collect())
+            .or_insert(0.0) += v;
+    }
+
+    fn set(&self, labels: &[&str], v: f64) {
+        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        m.insert(labels.iter().map(|s| (*s).to_owned()).collect(), v);
+    }
+
+    fn remove(&self, labels: &[&str]) {
+        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        m.remove(&labels.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>());
+    }
+
+    fn render(&self, out: &mut String, name: &str, kind: &str, help: &str, keys: &[&str]) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        let m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        for (values, v) in m.iter() {
+            let labels: Vec<String> = keys
+                .iter()
+                .zip(values)
+                .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
+                .collect();
+            let _ = writeln!(out, "{name}{{{}}} {v}", labels.join(","));
+        }
+    }
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Every gateway metric.
+#[derive(Debug)]
+pub struct Metrics {
+    requests: Family,
+    route_decisions: Family,
+    ratelimited: Family,
+    engine_up: Family,
+    engine_inflight: Family,
+    engine_draining: Family,
+    pub auth_failures: AtomicU64,
+    pub store_errors: AtomicU64,
+    pub request_duration: Histogram,
+    pub routed_prefix_blocks: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            requests: Family::default(),
+            route_decisions: Family::default(),
+            ratelimited: Family::default(),
+            engine_up: Family::default(),
+            engine_inflight: Family::default(),
+            engine_draining: Family::default(),
+            auth_failures: AtomicU64::new(0),
+            store_errors: AtomicU64::new(0),
+            request_duration: Histogram::new(LATENCY),
+            routed_prefix_blocks: Histogram::new(BLOCKS),
+        }
+    }
+}
+
+impl Metrics {
+    pub fn request(&self, tenant: &str, code: u16) {
+        self.requests.add(&[tenant, &code.to_string()], 1.0);
+    }
+
+    pub fn route_decision(&self, reason: &str) {
+        self.route_decisions.add(&[reason], 1.0);
+    }
+
+    pub fn ratelimited(&self, tenant: &str) {
+        self.ratelimited.add(&[tenant], 1.0);
+    }
+
+    /// Engine gauges, refreshed before each scrape.
+    pub fn engine(&self, name: &str, up: bool, inflight: u64, draining: bool) {
+        self.engine_up.set(&[name], f64::from(u8::from(up)));
+        self.engine_inflight.set(&[name], inflight as f64);
+        self.engine_draining
+            .set(&[name], f64::from(u8::from(draining)));
+    }
+
+    pub fn forget_engine(&self, name: &str) {
+        self.engine_up.remove(&[name]);
+        self.engine_inflight.remove(&[name]);
+        self.engine_draining.remove(&[name]);
+    }
+
+    /// Text exposition format.
+    pub fn render(&self) -> String {
+        let mut out = String::with_capacity(4096);
+        self.requests.render(
+            &mut out,
+            "kvgate_gateway_requests_total",
+            "counter",
+            "Requests answered, by tenant and HTTP status.",
+            &["tenant", "code"],
+        );
+        self.request_duration.render(
+            &mut out,
+            "kvgate_gateway_request_duration_seconds",
+            "Time from request to the end of the response.",
+        );
+        self.route_decisions.render(
+            &mut out,
+            "kvgate_gateway_route_decisions_total",
+            "counter",
+            "Routing decisions by reason.",
+            &["reason"],
+        );
+        self.routed_prefix_blocks.render(
+            &mut out,
+            "kvgate_gateway_routed_prefix_blocks",
+            "Prefix blocks already cached on the chosen engine, per routed request.",
+        );
+        self.engine_up.render(
+            &mut out,
+            "kvgate_gateway_engine_up",
+            "gauge",
+            "Whether the engine passes health checks (1) or not (0).",
+            &["engine"],
+        );
+        self.engine_inflight.render(
+            &mut out,
+            "kvgate_gateway_engine_inflight",
+            "gauge",
+            "Requests this gateway has in flight on the engine.",
+            &["engine"],
+        );
+        self.engine_draining.render(
+            &mut out,
+            "kvgate_gateway_engine_draining",
+            "gauge",
+            "Whether the engine is draining (1) or not (0).",
+            &["engine"],
+        );
+        self.ratelimited.render(
+            &mut out,
+            "kvgate_gateway_ratelimited_total",
+            "counter",
+            "Requests refused by a tenant's rate limits.",
+            &["tenant"],
+        );
+        for (name, help, v) in [
+            (
+                "kvgate_gateway_auth_failures_total",
+                "Requests with a missing, wrong or revoked API key.",
+                &self.auth_failures,
+            ),
+            (
+                "kvgate_gateway_store_errors_total",
+                "Store (Redis) calls that failed.",
+                &self.store_errors,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                v.load(Ordering::Relaxed)
+            );
+        }
+        out
+    }
+}

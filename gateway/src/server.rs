@@ -1,0 +1,201 @@
+//! The gateway's shared state, its start-up (engines from config and store, their health and
+//! KV-event tasks) and its two listeners: the tenants' API behind the tower stack, and the admin
+//! API with `/metrics`.
+
+use crate::auth::Auth;
+use crate::config::GatewayConfig;
+use crate::metrics::Metrics;
+use crate::routing::prefix::PromptHasher;
+use crate::routing::{Policy, Router, RouterConfig};
+use crate::service;
+use crate::store::{Store, StoreError};
+use crate::tenant::{generate_key, generate_key_id, unix_now, EngineRecord, KeyRecord};
+use crate::upstream::{self, events, health, Engine, HttpClient, Registry, RegistryError};
+use kvgate_protocol::prompt::PromptRenderer;
+use kvgate_protocol::{BlockHasher, HashParams};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+/// Everything the handlers share.
+#[derive(Debug)]
+pub struct Gateway {
+    pub config: GatewayConfig,
+    pub store: Arc<dyn Store>,
+    pub registry: Arc<Registry>,
+    pub router: Router,
+    pub hasher: PromptHasher,
+    pub auth: Auth,
+    pub metrics: Metrics,
+    pub client: HttpClient,
+    pub engine_token: Option<Arc<str>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error("engines: {0}")]
+    Registry(#[from] RegistryError),
+    #[error("config: {0}")]
+    Config(String),
+}
+
+impl Gateway {
+    /// Builds the gateway and starts following every engine in the config and the store.
+    /// Must run inside a tokio runtime.
+    pub async fn start(
+        config: GatewayConfig,
+        store: Arc<dyn Store>,
+        renderer: Arc<PromptRenderer>,
+    ) -> Result<Arc<Gateway>, StartError> {
+        config.validate().map_err(StartError::Config)?;
+        let pepper = config.pepper.clone().ok_or_else(|| {
+            StartError::Config("pepper: required (or KVGATE_PEPPER), 16+ characters".into())
+        })?;
+        let hasher = BlockHasher::new(&HashParams {
+            model_id: config.model_id.clone(),
+            weight_version: "1".into(),
+            kv_dtype: config.kv_dtype.clone(),
+            block_size: config.block_size,
+            seed: config.seed(),
+        });
+        let policy = Policy::parse(&config.routing.policy)
+            .ok_or_else(|| StartError::Config("routing.policy".into()))?;
+        let gw = Arc::new(Gateway {
+            router: Router::new(RouterConfig {
+                policy,
+                alpha: config.routing.alpha,
+                load_factor: config.routing.load_factor,
+                block_size: config.block_size,
+            }),
+            hasher: PromptHasher::new(renderer, hasher),
+            auth: Auth::new(
+                store.clone(),
+                &pepper,
+                Duration::from_secs(config.key_cache_ttl_secs),
+            ),
+            engine_token: config.engine_token.as_deref().map(Arc::from),
+            registry: Arc::new(Registry::new()),
+            metrics: Metrics::default(),
+            client: upstream::http_client(),
+            store,
+            config,
+        });
+        for e in gw.config.engines.clone() {
+            gw.follow_engine(&e.name, &e.url)?;
+        }
+        for e in gw.store.list_engines().await? {
+            if gw.registry.get(&e.name).is_none() {
+                gw.follow_engine(&e.name, &e.url)?;
+            }
+        }
+        // First health round now, so the gateway routes as soon as it listens.
+        let first =
+            gw.registry
+                .all()
+                .into_iter()
+                .map(|e| {
+                    let gw = gw.clone();
+                    async move {
+                        health::check(&e, &gw.client, gw.config.operator_token.as_deref()).await
+                    }
+                })
+                .collect::<Vec<_>>();
+        for f in first {
+            f.await;
+        }
+        Ok(gw)
+    }
+
+    /// Adds an engine to this process's registry and starts its health and event tasks.
+    pub fn follow_engine(&self, name: &str, url: &str) -> Result<Arc<Engine>, RegistryError> {
+        let engine = self.registry.add(name, url)?;
+        tokio::spawn(health::watch(
+            engine.clone(),
+            self.client.clone(),
+            self.config.operator_token.clone(),
+        ));
+        tokio::spawn(events::follow(
+            engine.clone(),
+            self.registry.clone(),
+            self.client.clone(),
+            self.config.engine_token.clone(),
+        ));
+        Ok(engine)
+    }
+
+    /// Adds an engine and persists it, so every replica (and this one after a restart) has it.
+    pub async fn add_engine(&self, name: &str, url: &str) -> Result<Arc<Engine>, String> {
+        if name.is_empty() || !url.starts_with("http://") {
+            return Err("an engine needs a name and an http:// url".into());
+        }
+        let engine = self.follow_engine(name, url).map_err(|e| e.to_string())?;
+        let rec = EngineRecord {
+            name: name.to_owned(),
+            url: url.to_owned(),
+            added_at: unix_now(),
+        };
+        if let Err(e) = self.store.put_engine(&rec).await {
+            self.registry.remove(name);
+            return Err(e.to_string());
+        }
+        health::check(&engine, &self.client, self.config.operator_token.as_deref()).await;
+        Ok(engine)
+    }
+
+    /// Issues a new API key for `tenant` (which must exist): returns the key, to be shown once,
+    /// and the stored record (its hash only).
+    pub async fn issue_key(&self, tenant: &str) -> Result<(String, KeyRecord), StoreError> {
+        let key = generate_key();
+        let rec = KeyRecord {
+            id: generate_key_id(),
+            tenant: tenant.to_owned(),
+            hash: self.auth.hash(&key),
+            prefix: key[..8].to_owned(),
+            created_at: unix_now(),
+            revoked: false,
+        };
+        self.store.put_key(&rec).await?;
+        Ok((key, rec))
+    }
+
+    /// Removes an engine from this process and the store.
+    pub async fn remove_engine(&self, name: &str) -> Result<bool, StoreError> {
+        let here = self.registry.remove(name).is_some();
+        self.metrics.forget_engine(name);
+        let stored = self.store.remove_engine(name).await?;
+        self.router.forget_homes();
+        Ok(here || stored)
+    }
+
+    /// Serves the tenants' API until `shutdown`; streams in flight finish first.
+    pub async fn run(
+        self: Arc<Self>,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> std::io::Result<()> {
+        kvgate_http::serve(listener, move || service::stack(self.clone()), shutdown).await
+    }
+
+    /// Serves the admin API and `/metrics` until `shutdown`.
+    pub async fn run_admin(
+        self: Arc<Self>,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> std::io::Result<()> {
+        kvgate_http::serve(
+            listener,
+            move || {
+                let gw = self.clone();
+                hyper::service::service_fn(move |req| {
+                    let gw = gw.clone();
+                    async move { Ok(crate::admin::route(gw, req).await) }
+                })
+            },
+            shutdown,
+        )
+        .await
+    }
+}

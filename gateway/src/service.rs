@@ -1,0 +1,304 @@
+//! The tenants' API as a tower stack:
+//! request id -> trace -> body limit -> timeout -> auth -> (rate limit -> route -> proxy).
+//! Each layer is a small `tower::Service`; the last one is [`crate::api`].
+
+use crate::api;
+use crate::auth::{AuthError, Principal};
+use crate::server::Gateway;
+use hyper::body::Incoming;
+use hyper::{header, Request, Response};
+use kvgate_http::{error_response, RespBody};
+use kvgate_protocol::openai::ApiError;
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tower::{Layer, Service, ServiceBuilder};
+use tracing::Instrument;
+
+type Req = Request<Incoming>;
+type Resp = Response<RespBody>;
+type BoxFut = Pin<Box<dyn Future<Output = Result<Resp, Infallible>> + Send>>;
+
+/// The request's id (client-sent `x-request-id` when sane, else generated).
+#[derive(Debug, Clone)]
+pub struct RequestId(pub Arc<str>);
+
+/// The whole stack for one connection, as a hyper service.
+pub fn stack(
+    gw: Arc<Gateway>,
+) -> hyper_util::service::TowerToHyperService<
+    impl Service<Req, Response = Resp, Error = Infallible, Future: Send> + Clone + Send + 'static,
+> {
+    let svc = ServiceBuilder::new()
+        .layer(layer(|inner| RequestIdService { inner }))
+        .layer(layer(|inner| TraceService { inner }))
+        .layer(layer({
+            let limit = gw.config.max_body_bytes;
+            move |inner| BodyLimitService { inner, limit }
+        }))
+        .layer(layer({
+            let after = Duration::from_secs(gw.config.request_timeout_secs);
+            move |inner| TimeoutService { inner, after }
+        }))
+        .layer(layer({
+            let gw = gw.clone();
+            move |inner| AuthService {
+                inner,
+                gw: gw.clone(),
+            }
+        }))
+        .service(ApiService { gw });
+    hyper_util::service::TowerToHyperService::new(svc)
+}
+
+fn layer<S, T>(f: impl Fn(S) -> T + Clone) -> impl Layer<S, Service = T> + Clone {
+    tower::layer::layer_fn(f)
+}
+
+macro_rules! ready_inner {
+    () => {
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Ready(Ok(()))
+        }
+    };
+}
+
+#[derive(Debug, Clone)]
+struct RequestIdService<S> {
+    inner: S,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+fn new_request_id() -> String {
+    // A process-random prefix plus a counter: unique across replicas without a syscall per call.
+    static PREFIX: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    let p = PREFIX.get_or_init(rand::random::<u32>);
+    format!(
+        "req_{p:08x}{:012x}",
+        NEXT_ID.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+impl<S> Service<Req> for RequestIdService<S>
+where
+    S: Service<Req, Response = Resp, Error = Infallible, Future: Send> + Clone + Send + 'static,
+{
+    type Response = Resp;
+    type Error = Infallible;
+    type Future = BoxFut;
+    ready_inner!();
+
+    fn call(&mut self, mut req: Req) -> BoxFut {
+        let id: Arc<str> = req
+            .headers()
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| {
+                !v.is_empty()
+                    && v.len() <= 64
+                    && v.bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            })
+            .map_or_else(|| Arc::from(new_request_id()), Arc::from);
+        req.extensions_mut().insert(RequestId(id.clone()));
+        let mut inner = self.inner.clone();
+        Box::pin(async move {
+            let mut resp = inner.call(req).await?;
+            if let Ok(v) = header::HeaderValue::from_str(&id) {
+                resp.headers_mut().insert("x-request-id", v);
+            }
+            Ok(resp)
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+struct TraceService<S> {
+    inner: S,
+}
+
+impl<S> Service<Req> for TraceService<S>
+where
+    S: Service<Req, Response = Resp, Error = Infallible, Future: Send> + Clone + Send + 'static,
+{
+    type Response = Resp;
+    type Error = Infallible;
+    type Future = BoxFut;
+    ready_inner!();
+
+    fn call(&mut self, req: Req) -> BoxFut {
+        let id = req
+            .extensions()
+            .get::<RequestId>()
+            .map(|r| r.0.clone())
+            .unwrap_or_else(|| Arc::from(""));
+        // Never the body: no prompt text reaches the logs.
+        let span = tracing::info_span!(
+            "request",
+            id = %id,
+            method = %req.method(),
+            path = %req.uri().path(),
+            tenant = tracing::field::Empty,
+            engine = tracing::field::Empty,
+        );
+        let mut inner = self.inner.clone();
+        let start = Instant::now();
+        Box::pin(
+            async move {
+                let resp = inner.call(req).await?;
+                tracing::debug!(
+                    status = resp.status().as_u16(),
+                    micros = start.elapsed().as_micros() as u64,
+                    "answered"
+                );
+                Ok(resp)
+            }
+            .instrument(span),
+        )
+    }
+}
+
+#[derive(Debug, Clone)]
+struct BodyLimitService<S> {
+    inner: S,
+    limit: usize,
+}
+
+/// The body limit, for the handler's bounded read.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimit(pub usize);
+
+impl<S> Service<Req> for BodyLimitService<S>
+where
+    S: Service<Req, Response = Resp, Error = Infallible, Future: Send> + Clone + Send + 'static,
+{
+    type Response = Resp;
+    type Error = Infallible;
+    type Future = BoxFut;
+    ready_inner!();
+
+    fn call(&mut self, mut req: Req) -> BoxFut {
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<usize>().ok());
+        if declared.is_some_and(|n| n > self.limit) {
+            let e = ApiError::payload_too_large(self.limit);
+            return Box::pin(async move { Ok(error_response(&e)) });
+        }
+        req.extensions_mut().insert(BodyLimit(self.limit));
+        let mut inner = self.inner.clone();
+        Box::pin(async move { inner.call(req).await })
+    }
+}
+
+#[derive(Debug, Clone)]
+struct TimeoutService<S> {
+    inner: S,
+    after: Duration,
+}
+
+impl<S> Service<Req> for TimeoutService<S>
+where
+    S: Service<Req, Response = Resp, Error = Infallible, Future: Send> + Clone + Send + 'static,
+{
+    type Response = Resp;
+    type Error = Infallible;
+    type Future = BoxFut;
+    ready_inner!();
+
+    /// Bounds the time until the response starts; a stream, once started, runs to its end.
+    fn call(&mut self, req: Req) -> BoxFut {
+        let mut inner = self.inner.clone();
+        let after = self.after;
+        Box::pin(async move {
+            match tokio::time::timeout(after, inner.call(req)).await {
+                Ok(r) => r,
+                Err(_) => Ok(error_response(&ApiError::timeout())),
+            }
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+struct AuthService<S> {
+    inner: S,
+    gw: Arc<Gateway>,
+}
+
+/// The API key in `Authorization: Bearer` (or OpenAI's `api-key` header).
+fn api_key(req: &Req) -> Option<&str> {
+    req.headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .or_else(|| req.headers().get("api-key").and_then(|v| v.to_str().ok()))
+        .map(str::trim)
+}
+
+impl<S> Service<Req> for AuthService<S>
+where
+    S: Service<Req, Response = Resp, Error = Infallible, Future: Send> + Clone + Send + 'static,
+{
+    type Response = Resp;
+    type Error = Infallible;
+    type Future = BoxFut;
+    ready_inner!();
+
+    fn call(&mut self, mut req: Req) -> BoxFut {
+        let gw = self.gw.clone();
+        let mut inner = self.inner.clone();
+        Box::pin(async move {
+            if req.uri().path() == "/health" {
+                return inner.call(req).await;
+            }
+            let key = api_key(&req).map(str::to_owned);
+            match gw.auth.authenticate(key.as_deref()).await {
+                Ok(p) => {
+                    tracing::Span::current().record("tenant", p.tenant.id.as_str());
+                    req.extensions_mut().insert::<Arc<Principal>>(p);
+                    inner.call(req).await
+                }
+                Err(e) => {
+                    let err = match e {
+                        AuthError::Missing => ApiError::unauthorized(
+                            "Missing API key: send it as 'Authorization: Bearer kvg_...'.",
+                        ),
+                        AuthError::Invalid => ApiError::unauthorized("Incorrect API key provided."),
+                        AuthError::Unavailable => ApiError::unavailable(
+                            "The key store is unavailable; try again shortly.",
+                        ),
+                    };
+                    if !matches!(e, AuthError::Unavailable) {
+                        gw.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                    gw.metrics.request("-", err.status);
+                    Ok(error_response(&err))
+                }
+            }
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+struct ApiService {
+    gw: Arc<Gateway>,
+}
+
+impl Service<Req> for ApiService {
+    type Response = Resp;
+    type Error = Infallible;
+    type Future = BoxFut;
+    ready_inner!();
+
+    fn call(&mut self, req: Req) -> BoxFut {
+        let gw = self.gw.clone();
+        Box::pin(async move { Ok(api::handle(gw, req).await) })
+    }
+}

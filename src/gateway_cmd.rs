@@ -1,0 +1,163 @@
+//! `kvgate gateway --config gateway.toml` (the distributed gateway role) and
+//! `kvgate migrate --redis URL` (Redis keyspace migrations).
+
+use crate::model_cmd;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kvgate_gateway::store::{MemoryStore, RedisStore, Store};
+use kvgate_gateway::{Gateway, GatewayConfig};
+use kvgate_protocol::prompt::PromptRenderer;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Args, Debug)]
+pub struct GatewayArgs {
+    /// gateway.toml (see gateway/src/config.rs for every field).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Overrides `listen`.
+    #[arg(long)]
+    listen: Option<String>,
+    /// Overrides `admin_listen`.
+    #[arg(long)]
+    admin_listen: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct MigrateArgs {
+    /// Redis URL, for example redis://127.0.0.1:6379.
+    #[arg(long, env = "KVGATE_REDIS")]
+    redis: String,
+}
+
+pub fn gateway(args: GatewayArgs) -> Result<()> {
+    let text = match &args.config {
+        Some(path) => {
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?
+        }
+        None => String::new(),
+    };
+    let mut config = GatewayConfig::parse(&text).map_err(|e| match &args.config {
+        Some(p) => anyhow::anyhow!("{}: {e}", p.display()),
+        None => anyhow::anyhow!("{e}"),
+    })?;
+    if let Some(l) = args.listen {
+        config.listen = l;
+    }
+    if let Some(l) = args.admin_listen {
+        config.admin_listen = l;
+    }
+    config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    crate::engine_cmd::init_tracing();
+    let dir = model_cmd::resolve(config.model.as_deref())?;
+    let renderer = Arc::new(
+        PromptRenderer::from_dir(&dir)
+            .with_context(|| format!("loading the tokenizer in {}", dir.display()))?,
+    );
+    runtime()?.block_on(async move {
+        let store = open_store(config.redis.as_deref()).await?;
+        let gw = Gateway::start(config, store, renderer).await?;
+        serve_gateway(gw, None).await
+    })
+}
+
+pub fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// The store named by the config: Redis (schema checked), or in-memory.
+pub async fn open_store(redis: Option<&str>) -> Result<Arc<dyn Store>> {
+    Ok(match redis {
+        Some(url) => {
+            let store = RedisStore::connect(url)
+                .await
+                .with_context(|| format!("connecting to {url}"))?;
+            store
+                .check_schema()
+                .await
+                .context("run `kvgate migrate --redis URL` first")?;
+            Arc::new(store)
+        }
+        None => Arc::new(MemoryStore::new()),
+    })
+}
+
+/// Binds both listeners and serves until Ctrl-C or SIGTERM; streams in flight finish first.
+pub async fn serve_gateway(gw: Arc<Gateway>, banner: Option<String>) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind(&gw.config.listen)
+        .await
+        .with_context(|| format!("binding {}", gw.config.listen))?;
+    let admin = tokio::net::TcpListener::bind(&gw.config.admin_listen)
+        .await
+        .with_context(|| format!("binding {}", gw.config.admin_listen))?;
+    tracing::info!(
+        addr = %listener.local_addr()?,
+        admin = %admin.local_addr()?,
+        engines = gw.registry.all().len(),
+        "gateway listening"
+    );
+    if let Some(b) = banner {
+        println!("{b}");
+    }
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let admin_task = tokio::spawn(gw.clone().run_admin(admin, wait(stop_rx.clone())));
+    let api_task = tokio::spawn(gw.clone().run(listener, wait(stop_rx)));
+    shutdown_signal().await;
+    tracing::info!("shutting down: finishing requests in flight");
+    let _ = stop_tx.send(true);
+    api_task.await??;
+    admin_task.await??;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+pub fn migrate(args: MigrateArgs) -> Result<()> {
+    runtime()?.block_on(async move {
+        let store = RedisStore::connect(&args.redis)
+            .await
+            .with_context(|| format!("connecting to {}", args.redis))?;
+        let before = store.schema_version().await?;
+        let applied = store.migrate().await?;
+        let after = store.schema_version().await?;
+        if after < before {
+            bail!("schema went backwards: {before} -> {after}");
+        }
+        if applied.is_empty() {
+            println!("schema is current (version {after}); nothing to apply");
+        } else {
+            for v in &applied {
+                println!("applied migration {v:04}");
+            }
+            println!("schema version {before} -> {after}");
+        }
+        Ok(())
+    })
+}
