@@ -12,9 +12,13 @@
 //!   same server in the same run.
 //! - `sharegpt`: first human turns of the ShareGPT file as prompts (cut to `--max-prompt-chars`),
 //!   with their answer lengths as `max_tokens` (capped by `--max-tokens`).
+//!
+//! `--routing-sim` needs no server: it compares the gateway's routing policies on a simulated
+//! fleet ([`routing_sim`]).
 
 mod client;
 mod report;
+mod routing_sim;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -26,8 +30,8 @@ use std::time::{Duration, Instant};
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
     /// Server base URL, e.g. http://127.0.0.1:8080.
-    #[arg(long)]
-    url: String,
+    #[arg(long, required_unless_present = "routing_sim")]
+    url: Option<String>,
     /// Model name to send.
     #[arg(long, default_value = "smollm2-135m-instruct")]
     model: String,
@@ -63,8 +67,14 @@ pub struct BenchArgs {
     /// Label for this run in the report.
     #[arg(long)]
     label: Option<String>,
+    /// Print the report as JSON; with a PATH, write it there instead.
+    #[arg(long, num_args = 0..=1, default_missing_value = "-", value_name = "PATH")]
+    json: Option<String>,
+    /// Simulate the gateway's routing policies instead of measuring a server.
     #[arg(long)]
-    json: bool,
+    routing_sim: bool,
+    #[command(flatten)]
+    sim: routing_sim::SimArgs,
 }
 
 /// One request to send.
@@ -122,13 +132,17 @@ fn jobs(args: &BenchArgs) -> Result<Vec<Job>> {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
+    if args.routing_sim {
+        return routing_sim::run(&args.sim, args.seed, args.json.as_deref());
+    }
     if args.requests == 0 || args.concurrency == 0 {
         bail!("--requests and --concurrency must be positive");
     }
     if args.rate.is_some_and(|r| !(r > 0.0 && r.is_finite())) {
         bail!("--rate must be a positive number");
     }
-    let target = client::Target::parse(&args.url, args.api_key.clone())?;
+    let url = args.url.as_deref().context("--url is required")?;
+    let target = client::Target::parse(url, args.api_key.clone())?;
     let jobs = jobs(&args)?;
     let before = client::scrape(&target).context("reading /metrics before the run")?;
     let bar = ProgressBar::new(jobs.len() as u64);
@@ -204,8 +218,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
         &before,
         &after,
     );
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+    if let Some(path) = args.json.as_deref() {
+        let json = serde_json::to_string(&report)?;
+        if path == "-" {
+            println!("{json}");
+        } else {
+            std::fs::write(path, json + "\n").with_context(|| format!("writing {path}"))?;
+        }
     } else {
         print!("{}", report.table());
     }

@@ -1,5 +1,6 @@
 //! `engine.toml`: what one engine instance serves and how, parsed once into typed structs.
-//! Errors name the field.
+//! Errors name the field. `KVGATE_ENGINE_TOKEN`, `KVGATE_OPERATOR_TOKEN` and `KVGATE_HASH_SEED` in
+//! the environment override the file.
 //!
 //! ```toml
 //! listen = "127.0.0.1:8081"
@@ -146,9 +147,25 @@ impl Default for EngineConfig {
 impl EngineConfig {
     /// Parses and validates TOML text.
     pub fn parse(text: &str) -> Result<Self, String> {
-        let c: EngineConfig = toml::from_str(text).map_err(|e| e.to_string())?;
+        let mut c: EngineConfig = toml::from_str(text).map_err(|e| e.to_string())?;
+        c.apply_env(|k| std::env::var(k).ok());
         c.validate()?;
         Ok(c)
+    }
+
+    /// Secrets from the environment, which win over the file: `KVGATE_ENGINE_TOKEN`,
+    /// `KVGATE_OPERATOR_TOKEN`, `KVGATE_HASH_SEED` (the same names the gateway reads).
+    pub fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) {
+        let pairs: [(&str, &mut Option<String>); 3] = [
+            ("KVGATE_ENGINE_TOKEN", &mut self.auth.engine_token),
+            ("KVGATE_OPERATOR_TOKEN", &mut self.auth.operator_token),
+            ("KVGATE_HASH_SEED", &mut self.kv.hash_seed),
+        ];
+        for (key, field) in pairs {
+            if let Some(v) = get(key).filter(|v| !v.is_empty()) {
+                *field = Some(v);
+            }
+        }
     }
 
     pub fn validate(&self) -> Result<(), String> {

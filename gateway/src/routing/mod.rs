@@ -13,6 +13,7 @@
 
 pub mod index;
 pub mod prefix;
+pub mod sim;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -4,8 +4,9 @@
 //!
 //! Rate limits (one atomic step per request, so N replicas enforce the configured limit, not N
 //! times it):
-//! - requests/min: GCRA with a burst of one minute's worth, so at most `rpm` requests are admitted
-//!   in any 60 s window;
+//! - requests/min: GCRA, one request per 60/rpm s on average with a burst of up to `rpm` at once
+//!   (so a minute that starts with a full burst may admit up to 2·rpm - 1; over any longer span
+//!   the rate never exceeds rpm per minute);
 //! - tokens/min: a GCRA balance charged after the fact with the final usage; a request is admitted
 //!   while the balance is not in debt;
 //! - concurrency: a set of in-flight request ids with lease expiry (a crashed gateway's leases

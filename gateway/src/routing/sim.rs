@@ -1,0 +1,944 @@
+//! Routing simulator (`kvgate bench --routing-sim`): the gateway's own policy code ([`Router`],
+//! [`PrefixIndex`]) driven by a seeded multi-tenant trace against simulated engines, so policies
+//! can be compared side by side on the same requests.
+//!
+//! The workload: `tenants` tenants with Zipf(`zipf_s`) popularity, each with a system prompt of a
+//! uniform length in `system_tokens` (its tokens are synthetic ids, hashed with the real
+//! [`BlockHasher`] in the tenant's scope), a per-request user part and an output length, arriving
+//! as a Poisson process.
+//!
+//! Each engine is one FIFO server: a request's service is its prefill (the prompt tokens its cache
+//! does not hold, at `prefill_tps`) then its decode (`output / decode_tps`, the engine's batched
+//! decode throughput amortized per request). Its prefix cache holds `capacity_blocks` prompt blocks
+//! with LRU eviction at block granularity; blocks of one request are released tail first, so a
+//! prefix loses its last blocks before its first ones (as the engine's block pool does). When a
+//! prefill ends, the engine's new blocks are stored and evictions happen, and the gateway's
+//! [`PrefixIndex`] gets the same inserts and removals (KV events, delivered instantly).
+//!
+//! The router sees exactly what the gateway computes ([`crate::upstream::Registry::candidates`]):
+//! `matched_blocks` from the index, and `load = queued prefill tokens + kv_weight * kv_usage`,
+//! where queued prefill counts the uncached prompt tokens (as estimated at routing time) of every
+//! request routed to the engine whose first token has not come back, and `kv_usage` is the blocks
+//! held by the request in service over the capacity.
+//!
+//! The `oracle` knows every engine's true cache contents, including the blocks that requests
+//! already queued there will store before this one runs, and picks the engine with the longest
+//! cached prefix of the request; ties, or no match anywhere, go to the least loaded. It is greedy
+//! for hits and blind to load, so it is a reference for the hit rate, not for balance.
+//!
+//! Unlike the rest of `routing`, this module reads the clock (decision times).
+
+use super::index::{PrefixIndex, MAX_ENGINES};
+use super::prefix::PromptHasher;
+use super::{engine_id, Candidate, Policy, Router, RouterConfig};
+use kvgate_protocol::prompt::{ChatMessage, PromptError, PromptRenderer};
+use kvgate_protocol::{BlockHash, BlockHasher, HashParams};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The workload and the simulated fleet.
+#[derive(Debug, Clone, Serialize)]
+pub struct SimConfig {
+    pub engines: usize,
+    pub tenants: usize,
+    /// Zipf exponent of tenant popularity.
+    pub zipf_s: f64,
+    pub requests: usize,
+    pub seed: u64,
+    pub block_size: u32,
+    /// Inclusive ranges, uniform.
+    pub system_tokens: (usize, usize),
+    pub user_tokens: (usize, usize),
+    pub output_tokens: (usize, usize),
+    /// Prompt blocks each engine caches; `None`: a quarter of all tenants' system-prompt blocks.
+    pub capacity_blocks: Option<usize>,
+    /// Fleet utilization the arrival rate aims at, counting every system prompt as cached.
+    pub utilization: f64,
+    /// Requests per second; `None`: derived from `utilization`.
+    pub rate: Option<f64>,
+    /// Prefill throughput of one engine, tokens/s.
+    pub prefill_tps: f64,
+    /// Decode throughput of one engine (all of its batch), tokens/s.
+    pub decode_tps: f64,
+    pub alpha: f64,
+    pub load_factor: f64,
+    pub kv_weight: f64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        let routing = crate::config::RoutingSection::default();
+        SimConfig {
+            engines: 8,
+            tenants: 100,
+            zipf_s: 1.0,
+            requests: 20_000,
+            seed: 0,
+            block_size: 16,
+            system_tokens: (200, 2000),
+            user_tokens: (20, 200),
+            output_tokens: (50, 300),
+            capacity_blocks: None,
+            utilization: 0.75,
+            rate: None,
+            prefill_tps: 16_000.0,
+            decode_tps: 2_000.0,
+            alpha: routing.alpha,
+            load_factor: routing.load_factor,
+            kv_weight: routing.kv_weight,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Tenant {
+    affinity: u128,
+    system_tokens: usize,
+}
+
+#[derive(Debug)]
+struct Request {
+    at: f64,
+    tenant: u32,
+    hashes: Vec<BlockHash>,
+    prompt_tokens: u32,
+    output_tokens: u32,
+}
+
+/// A generated trace: the same requests for every policy.
+#[derive(Debug)]
+pub struct Trace {
+    pub config: SimConfig,
+    /// Blocks each engine caches.
+    pub capacity_blocks: usize,
+    /// Arrival rate, requests/s.
+    pub rate: f64,
+    tenants: Vec<Tenant>,
+    requests: Vec<Request>,
+}
+
+/// Vocabulary of the synthetic token ids (SmolLM2's size).
+const VOCAB: u32 = 49_152;
+
+fn mean(range: (usize, usize)) -> f64 {
+    (range.0 + range.1) as f64 / 2.0
+}
+
+impl Trace {
+    pub fn generate(config: &SimConfig) -> Trace {
+        assert!(config.engines >= 1 && config.engines <= MAX_ENGINES);
+        assert!(config.tenants >= 1);
+        let b = config.block_size as usize;
+        let mut rng = StdRng::seed_from_u64(config.seed);
+        let hasher = BlockHasher::new(&HashParams {
+            model_id: "routing-sim".into(),
+            weight_version: "1".into(),
+            kv_dtype: "f32".into(),
+            block_size: config.block_size,
+            seed: [7; 32],
+        });
+        let mut prefixes = Vec::with_capacity(config.tenants);
+        let mut tenants = Vec::with_capacity(config.tenants);
+        let mut system_blocks = 0usize;
+        for t in 0..config.tenants {
+            let scope = format!("tenant-{t}");
+            let len = rng.gen_range(config.system_tokens.0..=config.system_tokens.1);
+            let tokens: Vec<u32> = (0..len).map(|_| rng.gen_range(0..VOCAB)).collect();
+            let full = len / b * b;
+            let (hashes, chain) = hasher.hash_prefix(&scope, &tokens[..full]);
+            system_blocks += hashes.len();
+            let mut key = blake3::Hasher::new();
+            key.update(scope.as_bytes());
+            for tok in &tokens {
+                key.update(&tok.to_le_bytes());
+            }
+            let key = key.finalize();
+            tenants.push(Tenant {
+                affinity: u128::from_le_bytes(key.as_bytes()[..16].try_into().unwrap_or([0; 16])),
+                system_tokens: len,
+            });
+            prefixes.push((hashes, chain, tokens[full..].to_vec()));
+        }
+        let capacity_blocks = config.capacity_blocks.unwrap_or((system_blocks / 4).max(1));
+        // Work of a request whose system prompt is cached: the user part and the system prompt's
+        // last partial block (half a block on average), then the decode.
+        let cached_work = (mean(config.user_tokens) + b as f64 / 2.0) / config.prefill_tps
+            + mean(config.output_tokens) / config.decode_tps;
+        let rate = config
+            .rate
+            .unwrap_or(config.utilization * config.engines as f64 / cached_work);
+        let weights: Vec<f64> = (0..config.tenants)
+            .map(|k| 1.0 / ((k + 1) as f64).powf(config.zipf_s))
+            .collect();
+        let total: f64 = weights.iter().sum();
+        let mut acc = 0.0;
+        let cdf: Vec<f64> = weights
+            .iter()
+            .map(|w| {
+                acc += w / total;
+                acc
+            })
+            .collect();
+        let mut at = 0.0;
+        let mut requests = Vec::with_capacity(config.requests);
+        for _ in 0..config.requests {
+            let u: f64 = rng.gen_range(f64::EPSILON..1.0);
+            at += -u.ln() / rate;
+            let pick: f64 = rng.gen();
+            let tenant = cdf.partition_point(|&c| c < pick).min(config.tenants - 1);
+            let user = rng.gen_range(config.user_tokens.0..=config.user_tokens.1);
+            let output = rng.gen_range(config.output_tokens.0..=config.output_tokens.1);
+            let (sys_hashes, chain, tail) = &prefixes[tenant];
+            let mut after = tail.clone();
+            after.extend((0..user).map(|_| rng.gen_range(0..VOCAB)));
+            let full = after.len() / b * b;
+            let mut hashes = sys_hashes.clone();
+            hashes.extend(hasher.extend(*chain, &after[..full]).0);
+            requests.push(Request {
+                at,
+                tenant: tenant as u32,
+                hashes,
+                prompt_tokens: (tenants[tenant].system_tokens + user) as u32,
+                output_tokens: output as u32,
+            });
+        }
+        let max_blocks = requests.iter().map(|r| r.hashes.len()).max().unwrap_or(0);
+        assert!(
+            capacity_blocks >= 2 * max_blocks,
+            "capacity of {capacity_blocks} blocks is under twice the longest prompt ({max_blocks} blocks)"
+        );
+        Trace {
+            config: config.clone(),
+            capacity_blocks,
+            rate,
+            tenants,
+            requests,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    /// Hit rate with one engine of unbounded cache: every request after a tenant's first finds
+    /// its system prompt's full blocks.
+    pub fn ideal_hit_rate(&self) -> f64 {
+        let b = self.config.block_size as u64;
+        let mut seen = vec![false; self.tenants.len()];
+        let (mut hit, mut total) = (0u64, 0u64);
+        for r in &self.requests {
+            let t = r.tenant as usize;
+            if seen[t] {
+                hit += (self.tenants[t].system_tokens as u64) / b * b;
+            }
+            seen[t] = true;
+            total += u64::from(r.prompt_tokens);
+        }
+        hit as f64 / total.max(1) as f64
+    }
+}
+
+/// A policy to simulate: one of the gateway's, or the oracle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SimPolicy {
+    Router(Policy),
+    Oracle,
+}
+
+impl SimPolicy {
+    pub const ALL: [SimPolicy; 5] = [
+        SimPolicy::Router(Policy::Prefix),
+        SimPolicy::Router(Policy::RoundRobin),
+        SimPolicy::Router(Policy::LeastLoaded),
+        SimPolicy::Router(Policy::ConsistentHash),
+        SimPolicy::Oracle,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SimPolicy::Router(p) => p.name(),
+            SimPolicy::Oracle => "oracle",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<SimPolicy> {
+        match name {
+            "oracle" => Some(SimPolicy::Oracle),
+            other => Policy::parse(other).map(SimPolicy::Router),
+        }
+    }
+}
+
+/// One engine's prompt-block cache: LRU at block granularity.
+#[derive(Debug, Default)]
+struct Lru {
+    stamp: HashMap<u128, u64>,
+    order: BTreeMap<u64, u128>,
+    clock: u64,
+}
+
+impl Lru {
+    fn len(&self) -> usize {
+        self.stamp.len()
+    }
+
+    fn contains(&self, h: BlockHash) -> bool {
+        self.stamp.contains_key(&h.0)
+    }
+
+    /// Leading blocks of `hashes` held.
+    fn prefix(&self, hashes: &[BlockHash]) -> usize {
+        hashes.iter().take_while(|h| self.contains(**h)).count()
+    }
+
+    fn touch(&mut self, h: u128) {
+        self.clock += 1;
+        if let Some(old) = self.stamp.insert(h, self.clock) {
+            self.order.remove(&old);
+        }
+        self.order.insert(self.clock, h);
+    }
+
+    fn evict_oldest(&mut self) -> Option<u128> {
+        let (_, h) = self.order.pop_first()?;
+        self.stamp.remove(&h);
+        Some(h)
+    }
+}
+
+/// Ordered f64 event time (never NaN).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Time(f64);
+
+impl Eq for Time {}
+
+impl PartialOrd for Time {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Time {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    PrefillDone(usize),
+    Done(usize),
+}
+
+#[derive(Debug)]
+struct Engine {
+    slot: usize,
+    id: u64,
+    cache: Lru,
+    queue: VecDeque<usize>,
+    current: Option<usize>,
+    queued_prefill: u64,
+    /// Blocks held by the request in service (prompt and output).
+    held_blocks: usize,
+    /// Blocks that queued and in-service requests will store (the oracle's foresight).
+    pending: HashMap<u128, u32>,
+    requests: u64,
+    computed_tokens: u64,
+    busy_s: f64,
+}
+
+/// One policy's figures on one trace.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyResult {
+    pub policy: String,
+    /// Cached prompt tokens / prompt tokens.
+    pub hit_rate: f64,
+    /// `hit_rate` / the oracle's (filled in by [`run_all`]).
+    pub vs_oracle: Option<f64>,
+    /// Max / mean over engines of requests served.
+    pub requests_max_over_mean: f64,
+    /// Max / mean over engines of tokens computed (uncached prompt tokens plus output tokens).
+    pub tokens_max_over_mean: f64,
+    /// Max / mean over engines of busy time (prefill plus decode).
+    pub busy_max_over_mean: f64,
+    /// Busy time / (engines x makespan).
+    pub fleet_busy: f64,
+    /// Engine time per request (prefill plus decode): the fleet's peak throughput is inversely
+    /// proportional to it.
+    pub work_ms_per_request: f64,
+    pub mean_ttft_ms: f64,
+    pub p99_ttft_ms: f64,
+    pub mean_queue_ms: f64,
+    /// Mean time of one decision in the simulator: index lookup, candidates, choice.
+    pub decision_us: f64,
+    pub per_engine_requests: Vec<u64>,
+    pub per_engine_tokens: Vec<u64>,
+    /// Decisions per reason.
+    pub reasons: BTreeMap<String, u64>,
+}
+
+fn max_over_mean(v: &[f64]) -> f64 {
+    let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
+    if mean <= 0.0 {
+        return 1.0;
+    }
+    v.iter().copied().fold(0.0, f64::max) / mean
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i]
+}
+
+/// Runs `policy` over `trace`. With `verify`, checks after every KV event batch that the index
+/// equals the engines' caches (slow; for tests).
+pub fn run(trace: &Trace, policy: SimPolicy, verify: bool) -> PolicyResult {
+    let cfg = &trace.config;
+    let b = cfg.block_size as usize;
+    let capacity = trace.capacity_blocks;
+    let router = Router::new(RouterConfig {
+        policy: match policy {
+            SimPolicy::Router(p) => p,
+            SimPolicy::Oracle => Policy::LeastLoaded,
+        },
+        alpha: cfg.alpha,
+        load_factor: cfg.load_factor,
+        block_size: cfg.block_size,
+    });
+    let mut index = PrefixIndex::new();
+    let mut engines: Vec<Engine> = (0..cfg.engines)
+        .map(|slot| Engine {
+            slot,
+            id: engine_id(&format!("engine-{slot}")),
+            cache: Lru::default(),
+            queue: VecDeque::new(),
+            current: None,
+            queued_prefill: 0,
+            held_blocks: 0,
+            pending: HashMap::new(),
+            requests: 0,
+            computed_tokens: 0,
+            busy_s: 0.0,
+        })
+        .collect();
+    let mask = engines.iter().fold(0u64, |m, e| m | (1 << e.slot));
+    let n = trace.requests.len();
+    let mut routed_prefill = vec![0u64; n];
+    let mut cached_blocks = vec![0usize; n];
+    let mut started = vec![0f64; n];
+    let mut ttft = Vec::with_capacity(n);
+    let mut queue_s = 0.0;
+    let mut hit_tokens = 0u64;
+    let mut prompt_tokens = 0u64;
+    let mut decision_ns = 0u128;
+    let mut reasons: BTreeMap<String, u64> = BTreeMap::new();
+    let mut events: BinaryHeap<std::cmp::Reverse<(Time, u64, Event)>> = BinaryHeap::new();
+    let mut seq = 0u64;
+    let mut next = 0usize;
+    let mut now = 0.0;
+    let load = |e: &Engine| {
+        e.queued_prefill as f64 + cfg.kv_weight * e.held_blocks as f64 / capacity as f64
+    };
+
+    // Starts the next queued request on engine `e` at `now`.
+    let start = |e: &mut Engine,
+                 now: f64,
+                 events: &mut BinaryHeap<std::cmp::Reverse<(Time, u64, Event)>>,
+                 seq: &mut u64,
+                 cached_blocks: &mut [usize],
+                 started: &mut [f64]| {
+        let Some(i) = e.queue.pop_front() else {
+            return;
+        };
+        let r = &trace.requests[i];
+        let cached = e.cache.prefix(&r.hashes);
+        cached_blocks[i] = cached;
+        started[i] = now;
+        let computed = r.prompt_tokens as usize - cached * b;
+        let prefill = computed as f64 / cfg.prefill_tps;
+        e.current = Some(i);
+        e.held_blocks = (r.prompt_tokens as usize + r.output_tokens as usize).div_ceil(b);
+        e.computed_tokens += (computed + r.output_tokens as usize) as u64;
+        e.busy_s += prefill + f64::from(r.output_tokens) / cfg.decode_tps;
+        *seq += 1;
+        events.push(std::cmp::Reverse((
+            Time(now + prefill),
+            *seq,
+            Event::PrefillDone(e.slot),
+        )));
+    };
+
+    loop {
+        let arrival = trace.requests.get(next).map(|r| r.at);
+        let event_at = events.peek().map(|e| (e.0).0 .0);
+        let take_event = match (arrival, event_at) {
+            (None, None) => break,
+            (Some(a), Some(t)) => t <= a,
+            (None, Some(_)) => true,
+            (Some(_), None) => false,
+        };
+        if !take_event {
+            let i = next;
+            next += 1;
+            now = trace.requests[i].at;
+            let r = &trace.requests[i];
+            let t0 = Instant::now();
+            let (slot, matched) = match policy {
+                SimPolicy::Router(_) => {
+                    let m = index.longest_matches(&r.hashes, mask);
+                    let candidates: Vec<Candidate> = engines
+                        .iter()
+                        .map(|e| Candidate {
+                            slot: e.slot,
+                            id: e.id,
+                            matched_blocks: m[e.slot],
+                            load: load(e),
+                        })
+                        .collect();
+                    let affinity = trace.tenants[r.tenant as usize].affinity;
+                    let Some(choice) = router.choose(affinity, &candidates) else {
+                        unreachable!("engines are never empty")
+                    };
+                    *reasons
+                        .entry(choice.reason.as_str().to_owned())
+                        .or_default() += 1;
+                    (choice.slot, choice.matched_blocks as usize)
+                }
+                SimPolicy::Oracle => {
+                    let known = |e: &Engine| {
+                        r.hashes
+                            .iter()
+                            .take_while(|h| e.cache.contains(**h) || e.pending.contains_key(&h.0))
+                            .count()
+                    };
+                    let best = engines
+                        .iter()
+                        .map(|e| (known(e), e))
+                        .max_by(|(ma, a), (mb, b)| {
+                            ma.cmp(mb)
+                                .then(load(b).total_cmp(&load(a)))
+                                .then(b.slot.cmp(&a.slot))
+                        })
+                        .map(|(m, e)| (e.slot, m))
+                        .unwrap_or((0, 0));
+                    let reason = if best.1 > 0 { "prefix" } else { "least_loaded" };
+                    *reasons.entry(reason.to_owned()).or_default() += 1;
+                    best
+                }
+            };
+            decision_ns += t0.elapsed().as_nanos();
+            let e = &mut engines[slot];
+            let prefill = (r.prompt_tokens as usize).saturating_sub(matched * b) as u64;
+            routed_prefill[i] = prefill;
+            e.queued_prefill += prefill;
+            if policy == SimPolicy::Oracle {
+                for h in &r.hashes {
+                    *e.pending.entry(h.0).or_default() += 1;
+                }
+            }
+            e.queue.push_back(i);
+            e.requests += 1;
+            if e.current.is_none() {
+                start(
+                    e,
+                    now,
+                    &mut events,
+                    &mut seq,
+                    &mut cached_blocks,
+                    &mut started,
+                );
+            }
+            continue;
+        }
+        let Some(std::cmp::Reverse((Time(t), _, event))) = events.pop() else {
+            break;
+        };
+        now = t;
+        match event {
+            Event::PrefillDone(slot) => {
+                let e = &mut engines[slot];
+                let Some(i) = e.current else { continue };
+                let r = &trace.requests[i];
+                ttft.push(now - r.at);
+                queue_s += started[i] - r.at;
+                hit_tokens += (cached_blocks[i] * b) as u64;
+                prompt_tokens += u64::from(r.prompt_tokens);
+                e.queued_prefill -= routed_prefill[i];
+                // Keep the matched prefix from being evicted for the new blocks, store them, then
+                // release every block of the request tail first (the head is evicted last).
+                for h in &r.hashes[..cached_blocks[i]] {
+                    e.cache.touch(h.0);
+                }
+                for h in &r.hashes[cached_blocks[i]..] {
+                    if e.cache.contains(*h) {
+                        continue;
+                    }
+                    if e.cache.len() >= capacity {
+                        if let Some(old) = e.cache.evict_oldest() {
+                            index.remove(slot, BlockHash(old));
+                        }
+                    }
+                    e.cache.touch(h.0);
+                    index.insert(slot, *h);
+                }
+                for h in r.hashes.iter().rev() {
+                    e.cache.touch(h.0);
+                }
+                if policy == SimPolicy::Oracle {
+                    for h in &r.hashes {
+                        if let Some(c) = e.pending.get_mut(&h.0) {
+                            *c -= 1;
+                            if *c == 0 {
+                                e.pending.remove(&h.0);
+                            }
+                        }
+                    }
+                }
+                if verify {
+                    assert_eq!(index.len(slot), e.cache.len(), "index size, engine {slot}");
+                    for h in e.cache.stamp.keys() {
+                        assert_eq!(
+                            index.longest_matches(&[BlockHash(*h)], 1 << slot)[slot],
+                            1,
+                            "index lacks a cached block of engine {slot}"
+                        );
+                    }
+                }
+                seq += 1;
+                events.push(std::cmp::Reverse((
+                    Time(now + f64::from(r.output_tokens) / cfg.decode_tps),
+                    seq,
+                    Event::Done(slot),
+                )));
+            }
+            Event::Done(slot) => {
+                let e = &mut engines[slot];
+                e.current = None;
+                e.held_blocks = 0;
+                start(
+                    e,
+                    now,
+                    &mut events,
+                    &mut seq,
+                    &mut cached_blocks,
+                    &mut started,
+                );
+            }
+        }
+    }
+    let makespan = now.max(f64::MIN_POSITIVE);
+    ttft.sort_by(f64::total_cmp);
+    let served = ttft.len().max(1) as f64;
+    let per_engine_requests: Vec<u64> = engines.iter().map(|e| e.requests).collect();
+    let per_engine_tokens: Vec<u64> = engines.iter().map(|e| e.computed_tokens).collect();
+    let as_f64 = |v: &[u64]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let busy: Vec<f64> = engines.iter().map(|e| e.busy_s).collect();
+    PolicyResult {
+        policy: policy.name().to_owned(),
+        hit_rate: hit_tokens as f64 / prompt_tokens.max(1) as f64,
+        vs_oracle: None,
+        requests_max_over_mean: max_over_mean(&as_f64(&per_engine_requests)),
+        tokens_max_over_mean: max_over_mean(&as_f64(&per_engine_tokens)),
+        busy_max_over_mean: max_over_mean(&busy),
+        fleet_busy: busy.iter().sum::<f64>() / (cfg.engines as f64 * makespan),
+        work_ms_per_request: busy.iter().sum::<f64>() / n.max(1) as f64 * 1e3,
+        mean_ttft_ms: ttft.iter().sum::<f64>() / served * 1e3,
+        p99_ttft_ms: percentile(&ttft, 0.99) * 1e3,
+        mean_queue_ms: queue_s / served * 1e3,
+        decision_us: decision_ns as f64 / n.max(1) as f64 / 1e3,
+        per_engine_requests,
+        per_engine_tokens,
+        reasons,
+    }
+}
+
+/// Runs every policy in `policies` on `trace` and fills in each one's fraction of the oracle's
+/// hit rate (when the oracle is among them).
+pub fn run_all(trace: &Trace, policies: &[SimPolicy]) -> Vec<PolicyResult> {
+    let mut results: Vec<PolicyResult> = policies.iter().map(|&p| run(trace, p, false)).collect();
+    let oracle = results
+        .iter()
+        .find(|r| r.policy == SimPolicy::Oracle.name())
+        .map(|r| r.hit_rate);
+    if let Some(o) = oracle.filter(|&o| o > 0.0) {
+        for r in &mut results {
+            r.vs_oracle = Some(r.hit_rate / o);
+        }
+    }
+    results
+}
+
+/// Cost of the gateway's whole decision for one chat request.
+#[derive(Debug, Clone, Serialize)]
+pub struct DecisionTiming {
+    pub prompt_tokens: usize,
+    pub system_tokens: usize,
+    pub engines: usize,
+    pub index_blocks: usize,
+    pub warm_iterations: usize,
+    /// System prompt's tokens and hashes cached (every request after a tenant's first).
+    pub warm_mean_us: f64,
+    pub warm_p99_us: f64,
+    /// Of which `PromptHasher::chat` (render, tokenize the rest, hash).
+    pub warm_hash_mean_us: f64,
+    pub cold_iterations: usize,
+    /// Nothing cached: the whole prompt rendered, tokenized and hashed.
+    pub cold_mean_us: f64,
+    pub cold_p99_us: f64,
+}
+
+const WORDS: [&str; 24] = [
+    "the",
+    "customer",
+    "account",
+    "policy",
+    "support",
+    "answer",
+    "always",
+    "never",
+    "refund",
+    "order",
+    "politely",
+    "include",
+    "reference",
+    "number",
+    "escalate",
+    "manager",
+    "shipping",
+    "warranty",
+    "within",
+    "days",
+    "product",
+    "question",
+    "clearly",
+    "summarize",
+];
+
+/// Times the gateway's decision path for one chat request: [`PromptHasher::chat`] (a system
+/// prompt of about `system_tokens` tokens and a ~50-token user message), the index lookup over
+/// `engines` engines each holding `blocks_per_engine` blocks, building the candidates and
+/// [`Router::choose`] with the `prefix` policy.
+pub fn time_decisions(
+    renderer: Arc<PromptRenderer>,
+    config: &SimConfig,
+    system_tokens: usize,
+    blocks_per_engine: usize,
+    iterations: usize,
+) -> Result<DecisionTiming, PromptError> {
+    let mut rng = StdRng::seed_from_u64(config.seed);
+    let word = |rng: &mut StdRng| WORDS[rng.gen_range(0..WORDS.len())];
+    let mut system = String::from("You are the support assistant of Example Corp.");
+    while renderer.encode(&system)?.len() < system_tokens {
+        for i in 0..50 {
+            system.push(' ');
+            system.push_str(word(&mut rng));
+            if i % 12 == 11 {
+                system.push('.');
+            }
+        }
+    }
+    let users: Vec<String> = (0..64)
+        .map(|i| {
+            let mut s = format!("Question {i}:");
+            for _ in 0..40 {
+                s.push(' ');
+                s.push_str(word(&mut rng));
+            }
+            s.push('?');
+            s
+        })
+        .collect();
+    let messages = |i: usize| {
+        vec![
+            ChatMessage {
+                role: "system".into(),
+                content: system.clone(),
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: users[i % users.len()].clone(),
+            },
+        ]
+    };
+    let block_hasher = BlockHasher::new(&HashParams {
+        model_id: "routing-sim".into(),
+        weight_version: "1".into(),
+        kv_dtype: "f32".into(),
+        block_size: config.block_size,
+        seed: [7; 32],
+    });
+    let hasher = PromptHasher::new(renderer.clone(), block_hasher);
+    let scope = "tenant-0";
+    let first = hasher.chat(scope, &messages(0))?;
+    // The index: the system prompt cached on engine 3, every engine full of other blocks.
+    let engines = config.engines.clamp(1, MAX_ENGINES);
+    let mut index = PrefixIndex::new();
+    for h in &first.hashes {
+        index.insert(3 % engines, *h);
+    }
+    for slot in 0..engines {
+        while index.len(slot) < blocks_per_engine {
+            index.insert(slot, BlockHash(rng.gen()));
+        }
+    }
+    let ids: Vec<u64> = (0..engines)
+        .map(|s| engine_id(&format!("engine-{s}")))
+        .collect();
+    let loads: Vec<f64> = (0..engines).map(|s| (s * 300) as f64).collect();
+    let mask = (0..engines).fold(0u64, |m, s| m | (1 << s));
+    let router = Router::new(RouterConfig {
+        policy: Policy::Prefix,
+        alpha: config.alpha,
+        load_factor: config.load_factor,
+        block_size: config.block_size,
+    });
+    let decide = |messages: &[ChatMessage]| -> Result<(usize, f64), PromptError> {
+        let t0 = Instant::now();
+        let ph = hasher.chat(scope, messages)?;
+        let hashed = t0.elapsed().as_secs_f64();
+        let m = index.longest_matches(&ph.hashes, mask);
+        let candidates: Vec<Candidate> = (0..engines)
+            .map(|s| Candidate {
+                slot: s,
+                id: ids[s],
+                matched_blocks: m[s],
+                load: loads[s],
+            })
+            .collect();
+        let choice = router.choose(ph.affinity, &candidates);
+        std::hint::black_box(choice);
+        Ok((ph.prompt_tokens, hashed))
+    };
+    let msgs: Vec<Vec<ChatMessage>> = (0..users.len()).map(messages).collect();
+    // Warm up.
+    for m in msgs.iter().take(16) {
+        decide(m)?;
+    }
+    let mut warm = Vec::with_capacity(iterations);
+    let mut hash_s = 0.0;
+    let mut prompt_tokens = 0;
+    for i in 0..iterations {
+        let t0 = Instant::now();
+        let (tokens, hashed) = decide(&msgs[i % msgs.len()])?;
+        warm.push(t0.elapsed().as_secs_f64() * 1e6);
+        hash_s += hashed;
+        prompt_tokens = tokens;
+    }
+    let cold_iterations = (iterations / 20).max(10);
+    let mut cold = Vec::with_capacity(cold_iterations);
+    for i in 0..cold_iterations {
+        hasher.clear();
+        let t0 = Instant::now();
+        decide(&msgs[i % msgs.len()])?;
+        cold.push(t0.elapsed().as_secs_f64() * 1e6);
+    }
+    let summarize = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (
+            v.iter().sum::<f64>() / v.len().max(1) as f64,
+            percentile(v, 0.99),
+        )
+    };
+    let (warm_mean_us, warm_p99_us) = summarize(&mut warm);
+    let (cold_mean_us, cold_p99_us) = summarize(&mut cold);
+    Ok(DecisionTiming {
+        prompt_tokens,
+        system_tokens: renderer.encode(&system)?.len(),
+        engines,
+        index_blocks: blocks_per_engine,
+        warm_iterations: iterations,
+        warm_mean_us,
+        warm_p99_us,
+        warm_hash_mean_us: hash_s / iterations.max(1) as f64 * 1e6,
+        cold_iterations,
+        cold_mean_us,
+        cold_p99_us,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small(capacity_blocks: Option<usize>) -> SimConfig {
+        SimConfig {
+            engines: 4,
+            tenants: 24,
+            requests: 600,
+            system_tokens: (64, 300),
+            user_tokens: (10, 40),
+            capacity_blocks,
+            ..SimConfig::default()
+        }
+    }
+
+    #[test]
+    fn trace_is_deterministic_and_shaped() {
+        let cfg = small(None);
+        let a = Trace::generate(&cfg);
+        let b = Trace::generate(&cfg);
+        assert_eq!(a.len(), 600);
+        assert_eq!(a.rate, b.rate);
+        for (x, y) in a.requests.iter().zip(&b.requests) {
+            assert_eq!((x.at, x.tenant, &x.hashes), (y.at, y.tenant, &y.hashes));
+        }
+        // Zipf: tenant 0 is the most popular.
+        let mut count = vec![0; cfg.tenants];
+        for r in &a.requests {
+            count[r.tenant as usize] += 1;
+        }
+        assert_eq!(count.iter().max(), Some(&count[0]));
+        // Same tenant, same leading hashes; other tenants (other scopes) share none.
+        let t0: Vec<_> = a.requests.iter().filter(|r| r.tenant == 0).collect();
+        let sys = a.tenants[0].system_tokens / 16;
+        assert_eq!(t0[0].hashes[..sys], t0[1].hashes[..sys]);
+        let other = a.requests.iter().find(|r| r.tenant != 0).unwrap();
+        assert!(other.hashes.iter().all(|h| !t0[0].hashes.contains(h)));
+    }
+
+    #[test]
+    fn index_stays_equal_to_the_caches() {
+        // A tight cache, so eviction runs all the time.
+        let cfg = small(Some(60));
+        let trace = Trace::generate(&cfg);
+        for p in SimPolicy::ALL {
+            let r = run(&trace, p, true);
+            assert_eq!(r.per_engine_requests.iter().sum::<u64>(), 600);
+        }
+    }
+
+    #[test]
+    fn oracle_bounds_every_policy_with_room_for_everything() {
+        let trace = Trace::generate(&small(Some(1 << 20)));
+        let results = run_all(&trace, &SimPolicy::ALL);
+        let oracle = results.iter().find(|r| r.policy == "oracle").unwrap();
+        // Unbounded cache and foresight: every request after a tenant's first hits its whole
+        // system prompt, which is the most anyone can hit.
+        assert!((oracle.hit_rate - trace.ideal_hit_rate()).abs() < 1e-12);
+        for r in &results {
+            assert!(r.hit_rate <= oracle.hit_rate + 1e-12, "{}", r.policy);
+            assert!(r.vs_oracle.unwrap() <= 1.0 + 1e-12);
+        }
+    }
+
+    #[test]
+    fn prefix_beats_the_load_only_policies_under_cache_pressure() {
+        let trace = Trace::generate(&small(None));
+        let results = run_all(&trace, &SimPolicy::ALL);
+        let hit = |name: &str| results.iter().find(|r| r.policy == name).unwrap().hit_rate;
+        assert!(hit("prefix") > hit("round_robin"));
+        assert!(hit("prefix") > hit("least_loaded"));
+    }
+}

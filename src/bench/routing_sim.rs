@@ -1,0 +1,337 @@
+//! `kvgate bench --routing-sim`: the gateway's routing policies side by side on one simulated
+//! trace (`kvgate_gateway::routing::sim`), and the cost of one full routing decision with the real
+//! tokenizer.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kvgate_gateway::routing::sim::{
+    self, DecisionTiming, PolicyResult, SimConfig, SimPolicy, Trace,
+};
+use kvgate_protocol::prompt::PromptRenderer;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Options of `--routing-sim` (defaults: 8 engines, 100 tenants, the gateway's routing defaults).
+#[derive(Args, Debug, Clone)]
+pub struct SimArgs {
+    /// Simulated engines.
+    #[arg(long, default_value_t = 8)]
+    engines: usize,
+    /// Tenants, with Zipf popularity.
+    #[arg(long, default_value_t = 100)]
+    tenants: usize,
+    /// Zipf exponent of tenant popularity.
+    #[arg(long, default_value_t = 1.0)]
+    zipf_s: f64,
+    /// Requests in the simulated trace.
+    #[arg(long, default_value_t = 20_000)]
+    sim_requests: usize,
+    /// Prompt blocks each engine caches (default: a quarter of all system prompts' blocks).
+    #[arg(long)]
+    capacity_blocks: Option<usize>,
+    /// Fleet utilization the arrival rate aims at, with system prompts cached.
+    #[arg(long, default_value_t = 0.75)]
+    utilization: f64,
+    /// Arrival rate in requests/s (overrides --utilization).
+    #[arg(long)]
+    sim_rate: Option<f64>,
+    /// Prefill tokens/s of one simulated engine.
+    #[arg(long, default_value_t = 16_000.0)]
+    prefill_tps: f64,
+    /// Decode tokens/s of one simulated engine (its whole batch).
+    #[arg(long, default_value_t = 2_000.0)]
+    decode_tps: f64,
+    /// Routing alpha (default: the gateway's).
+    #[arg(long)]
+    alpha: Option<f64>,
+    /// Routing load factor (default: the gateway's).
+    #[arg(long)]
+    load_factor: Option<f64>,
+    /// Routing kv_weight (default: the gateway's).
+    #[arg(long)]
+    kv_weight: Option<f64>,
+    /// Policies to compare, comma-separated.
+    #[arg(
+        long,
+        default_value = "prefix,round_robin,least_loaded,consistent_hash,oracle"
+    )]
+    policies: String,
+    /// Iterations of the decision-time loop (0 skips it).
+    #[arg(long, default_value_t = 20_000)]
+    timing_iterations: usize,
+    /// Tokenizer for the decision-time loop (tokenizer.json, tokenizer_config.json).
+    #[arg(long, default_value = "target/kvgate-test-assets/smollm2-f32")]
+    tokenizer_dir: PathBuf,
+}
+
+/// Targets of issue 5.
+const TARGET_VS_ORACLE: f64 = 0.95;
+const TARGET_MAX_OVER_MEAN: f64 = 1.25;
+const TARGET_DECISION_US: f64 = 20.0;
+
+#[derive(Debug, serde::Serialize)]
+struct Output<'a> {
+    config: &'a SimConfig,
+    capacity_blocks: usize,
+    rate_per_s: f64,
+    requests: usize,
+    ideal_hit_rate: f64,
+    results: &'a [PolicyResult],
+    decision_timing: Option<&'a DecisionTiming>,
+}
+
+pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
+    let mut config = SimConfig {
+        engines: args.engines,
+        tenants: args.tenants,
+        zipf_s: args.zipf_s,
+        requests: args.sim_requests,
+        seed,
+        capacity_blocks: args.capacity_blocks,
+        utilization: args.utilization,
+        rate: args.sim_rate,
+        prefill_tps: args.prefill_tps,
+        decode_tps: args.decode_tps,
+        ..SimConfig::default()
+    };
+    if let Some(a) = args.alpha {
+        config.alpha = a;
+    }
+    if let Some(f) = args.load_factor {
+        config.load_factor = f;
+    }
+    if let Some(w) = args.kv_weight {
+        config.kv_weight = w;
+    }
+    if !(1..=64).contains(&config.engines) || config.tenants == 0 || config.requests == 0 {
+        bail!("--engines must be 1..=64, --tenants and --sim-requests positive");
+    }
+    if !(config.utilization > 0.0 && config.prefill_tps > 0.0 && config.decode_tps > 0.0) {
+        bail!("--utilization, --prefill-tps and --decode-tps must be positive");
+    }
+    if config.load_factor < 1.0 || config.alpha < 0.0 {
+        bail!("--load-factor must be >= 1 and --alpha >= 0");
+    }
+    let policies = args
+        .policies
+        .split(',')
+        .map(|p| {
+            SimPolicy::parse(p.trim()).with_context(|| {
+                format!("unknown policy {p:?} (prefix, round_robin, least_loaded, consistent_hash, oracle)")
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let trace = Trace::generate(&config);
+    let results = sim::run_all(&trace, &policies);
+    let timing = decision_timing(args, &config)?;
+    let to_stdout = json == Some("-");
+    if !to_stdout {
+        print!("{}", table(&trace, &results, timing.as_ref()));
+    }
+    if let Some(path) = json {
+        let out = serde_json::to_string_pretty(&Output {
+            config: &config,
+            capacity_blocks: trace.capacity_blocks,
+            rate_per_s: trace.rate,
+            requests: trace.len(),
+            ideal_hit_rate: trace.ideal_hit_rate(),
+            results: &results,
+            decision_timing: timing.as_ref(),
+        })?;
+        if to_stdout {
+            println!("{out}");
+        } else {
+            std::fs::write(path, out + "\n").with_context(|| format!("writing {path}"))?;
+            println!("\nJSON written to {path}");
+        }
+    }
+    Ok(())
+}
+
+fn decision_timing(args: &SimArgs, config: &SimConfig) -> Result<Option<DecisionTiming>> {
+    if args.timing_iterations == 0 {
+        return Ok(None);
+    }
+    let dir = &args.tokenizer_dir;
+    if !dir.join("tokenizer.json").is_file() {
+        eprintln!(
+            "note: no tokenizer at {} (./scripts/test downloads it there, or pass --tokenizer-dir); \
+             skipping the decision-time measurement",
+            dir.display()
+        );
+        return Ok(None);
+    }
+    let renderer = Arc::new(
+        PromptRenderer::from_dir(dir)
+            .with_context(|| format!("loading the tokenizer from {}", dir.display()))?,
+    );
+    // As in the simulated fleet: each engine's index holds a quarter of 100 tenants' prompts.
+    let timing = sim::time_decisions(renderer, config, 2000, 1700, args.timing_iterations)
+        .context("timing decisions")?;
+    Ok(Some(timing))
+}
+
+fn table(trace: &Trace, results: &[PolicyResult], timing: Option<&DecisionTiming>) -> String {
+    let c = &trace.config;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "routing simulation: {} engines, {} tenants (Zipf s={}), {} requests at {:.1}/s (Poisson), seed {}",
+        c.engines,
+        c.tenants,
+        c.zipf_s,
+        trace.len(),
+        trace.rate,
+        c.seed
+    );
+    let _ = writeln!(
+        s,
+        "  prompts: system {}-{} + user {}-{} tokens, output {}-{}; block {}; cache {} blocks/engine",
+        c.system_tokens.0,
+        c.system_tokens.1,
+        c.user_tokens.0,
+        c.user_tokens.1,
+        c.output_tokens.0,
+        c.output_tokens.1,
+        c.block_size,
+        trace.capacity_blocks
+    );
+    let _ = writeln!(
+        s,
+        "  engine: prefill {} tok/s, decode {} tok/s; routing alpha {}, load_factor {}, kv_weight {}",
+        c.prefill_tps, c.decode_tps, c.alpha, c.load_factor, c.kv_weight
+    );
+    let _ = writeln!(
+        s,
+        "  ideal hit rate (one engine, unbounded cache): {:.1}%\n",
+        trace.ideal_hit_rate() * 100.0
+    );
+    let _ = writeln!(
+        s,
+        "{:<16} {:>7} {:>8} {:>9} {:>9} {:>8} {:>6} {:>8} {:>9} {:>9} {:>9} {:>8}",
+        "policy",
+        "hit",
+        "/oracle",
+        "req max/",
+        "tok max/",
+        "busy",
+        "fleet",
+        "work/req",
+        "TTFT mean",
+        "TTFT p99",
+        "queue",
+        "decide"
+    );
+    let _ = writeln!(
+        s,
+        "{:<16} {:>7} {:>8} {:>9} {:>9} {:>8} {:>6} {:>8} {:>9} {:>9} {:>9} {:>8}",
+        "", "rate", "", "mean", "mean", "max/mean", "busy", "ms", "ms", "ms", "ms", "us"
+    );
+    for r in results {
+        let _ = writeln!(
+            s,
+            "{:<16} {:>6.1}% {:>8} {:>9.2} {:>9.2} {:>8.2} {:>5.0}% {:>8.1} {:>9.1} {:>9.1} {:>9.1} {:>8.2}",
+            r.policy,
+            r.hit_rate * 100.0,
+            r.vs_oracle
+                .map_or("-".to_owned(), |v| format!("{:.1}%", v * 100.0)),
+            r.requests_max_over_mean,
+            r.tokens_max_over_mean,
+            r.busy_max_over_mean,
+            r.fleet_busy * 100.0,
+            r.work_ms_per_request,
+            r.mean_ttft_ms,
+            r.p99_ttft_ms,
+            r.mean_queue_ms,
+            r.decision_us
+        );
+    }
+    let find = |name: &str| results.iter().find(|r| r.policy == name);
+    if let Some(p) = find("prefix") {
+        let reasons: Vec<String> = p.reasons.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        let _ = writeln!(s, "\nprefix decisions by reason: {}", reasons.join(", "));
+        let _ = writeln!(s, "\nkvgate `prefix` against issue 5's targets:");
+        if let Some(v) = p.vs_oracle {
+            let _ = writeln!(
+                s,
+                "  hit rate vs oracle  {:>6.1}%   target >= {:.0}%   {}",
+                v * 100.0,
+                TARGET_VS_ORACLE * 100.0,
+                verdict(v >= TARGET_VS_ORACLE)
+            );
+        }
+        let _ = writeln!(
+            s,
+            "  max/mean requests   {:>6.2}    target <= {:.2}    {}",
+            p.requests_max_over_mean,
+            TARGET_MAX_OVER_MEAN,
+            verdict(p.requests_max_over_mean <= TARGET_MAX_OVER_MEAN)
+        );
+        let _ = writeln!(
+            s,
+            "  max/mean tokens     {:>6.2}    target <= {:.2}    {}",
+            p.tokens_max_over_mean,
+            TARGET_MAX_OVER_MEAN,
+            verdict(p.tokens_max_over_mean <= TARGET_MAX_OVER_MEAN)
+        );
+        if let Some(t) = timing {
+            let _ = writeln!(
+                s,
+                "  decision, warm      {:>6.1} us (p99 {:.1})   target < {:.0} us   {}",
+                t.warm_mean_us,
+                t.warm_p99_us,
+                TARGET_DECISION_US,
+                verdict(t.warm_mean_us < TARGET_DECISION_US)
+            );
+        }
+        let _ = writeln!(s, "\npublished anchors:");
+        if let Some(rr) = find("round_robin").filter(|r| r.hit_rate > 0.0) {
+            let _ = writeln!(
+                s,
+                "  SGLang cache-aware policy: 3.8x the hit rate of round robin; kvgate prefix here: {:.2}x",
+                p.hit_rate / rr.hit_rate
+            );
+        }
+        if let Some(ll) = find("least_loaded").filter(|_| p.work_ms_per_request > 0.0) {
+            let _ = writeln!(
+                s,
+                "  llm-d precise scorer: 2x the throughput of load-only routing; kvgate prefix here: \
+                 {:.2}x the peak throughput of least_loaded (engine time per request)",
+                ll.work_ms_per_request / p.work_ms_per_request
+            );
+        }
+    }
+    if let Some(t) = timing {
+        let _ = writeln!(
+            s,
+            "\ndecision time, full gateway path (PromptHasher::chat with the real tokenizer, \
+             PrefixIndex::longest_matches over {} engines x {} blocks, Router::choose):",
+            t.engines, t.index_blocks
+        );
+        let _ = writeln!(
+            s,
+            "  prompt {} tokens (system {}): warm mean {:.1} us, p99 {:.1} us ({} iterations; chat hashing {:.1} us of it)",
+            t.prompt_tokens,
+            t.system_tokens,
+            t.warm_mean_us,
+            t.warm_p99_us,
+            t.warm_iterations,
+            t.warm_hash_mean_us
+        );
+        let _ = writeln!(
+            s,
+            "  cold (system prompt not cached yet): mean {:.1} us, p99 {:.1} us ({} iterations)",
+            t.cold_mean_us, t.cold_p99_us, t.cold_iterations
+        );
+    }
+    s
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok {
+        "met"
+    } else {
+        "MISSED"
+    }
+}
