@@ -91,6 +91,9 @@ impl Gateway {
                 gw.follow_engine(&e.name, &e.url)?;
             }
         }
+        if gw.config.redis.is_some() {
+            tokio::spawn(sync_engines(Arc::downgrade(&gw)));
+        }
         // First health round now, so the gateway routes as soon as it listens.
         let first =
             gw.registry
@@ -131,16 +134,20 @@ impl Gateway {
         if name.is_empty() || !url.starts_with("http://") {
             return Err("an engine needs a name and an http:// url".into());
         }
-        let engine = self.follow_engine(name, url).map_err(|e| e.to_string())?;
+        if self.registry.get(name).is_some() {
+            return Err(RegistryError::Exists(name.to_owned()).to_string());
+        }
+        // Stored first: the registry sync never sees it here but missing from the store.
         let rec = EngineRecord {
             name: name.to_owned(),
             url: url.to_owned(),
             added_at: unix_now(),
         };
-        if let Err(e) = self.store.put_engine(&rec).await {
-            self.registry.remove(name);
-            return Err(e.to_string());
-        }
+        self.store
+            .put_engine(&rec)
+            .await
+            .map_err(|e| e.to_string())?;
+        let engine = self.follow_engine(name, url).map_err(|e| e.to_string())?;
         health::check(&engine, &self.client, self.config.operator_token.as_deref()).await;
         Ok(engine)
     }
@@ -163,9 +170,9 @@ impl Gateway {
 
     /// Removes an engine from this process and the store.
     pub async fn remove_engine(&self, name: &str) -> Result<bool, StoreError> {
+        let stored = self.store.remove_engine(name).await?;
         let here = self.registry.remove(name).is_some();
         self.metrics.forget_engine(name);
-        let stored = self.store.remove_engine(name).await?;
         self.router.forget_homes();
         Ok(here || stored)
     }
@@ -197,5 +204,43 @@ impl Gateway {
             shutdown,
         )
         .await
+    }
+}
+
+/// How often a gateway re-reads the engine registry from the store, so engines added or removed
+/// through any replica reach every replica.
+const REGISTRY_SYNC: Duration = Duration::from_secs(5);
+
+/// Follows engines added to the store by other replicas and drops the ones removed there
+/// (engines from this gateway's own config stay). Ends with the gateway.
+async fn sync_engines(gw: std::sync::Weak<Gateway>) {
+    loop {
+        tokio::time::sleep(REGISTRY_SYNC).await;
+        let Some(gw) = gw.upgrade() else { return };
+        let stored = match gw.store.list_engines().await {
+            Ok(list) => list,
+            Err(e) => {
+                tracing::debug!(error = %e, "engine registry sync skipped");
+                continue;
+            }
+        };
+        for e in &stored {
+            if gw.registry.get(&e.name).is_none() {
+                match gw.follow_engine(&e.name, &e.url) {
+                    Ok(_) => tracing::info!(engine = %e.name, "engine added by another gateway"),
+                    Err(err) => {
+                        tracing::warn!(engine = %e.name, error = %err, "cannot follow engine")
+                    }
+                }
+            }
+        }
+        for e in gw.registry.all() {
+            let configured = gw.config.engines.iter().any(|c| c.name == e.name);
+            if !configured && !stored.iter().any(|s| s.name == e.name) {
+                gw.registry.remove(&e.name);
+                gw.metrics.forget_engine(&e.name);
+                tracing::info!(engine = %e.name, "engine removed by another gateway");
+            }
+        }
     }
 }

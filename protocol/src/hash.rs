@@ -217,3 +217,26 @@ impl BlockHasher {
         self.hash_prefix(scope, tokens).0
     }
 }
+
+/// Hasher for keys that are already cryptographic hashes (block hashes): folds the input into 64
+/// bits instead of running SipHash again. For the engine's and the gateway's block-hash maps.
+#[derive(Default, Debug, Clone, Copy)]
+pub struct PrehashedHasher(u64);
+
+impl std::hash::Hasher for PrehashedHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.0 ^= u64::from_le_bytes(b);
+        }
+    }
+
+    fn write_u128(&mut self, i: u128) {
+        self.0 ^= i as u64;
+    }
+}

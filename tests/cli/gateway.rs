@@ -89,7 +89,7 @@ fn two_gateways_share_one_rate_limit() {
 
     let dir = tempfile::tempdir().unwrap();
     let (api1, admin1, _g1) = gateway(dir.path(), &url, 1);
-    let (api2, _admin2, _g2) = gateway(dir.path(), &url, 2);
+    let (api2, admin2, _g2) = gateway(dir.path(), &url, 2);
 
     let admin_url = format!("http://127.0.0.1:{admin1}");
     let env = [
@@ -144,4 +144,30 @@ fn two_gateways_share_one_rate_limit() {
     // The admin CLI sees what the replicas share.
     let listed = run(&["admin", "tenants", "list"], &env);
     assert!(listed.contains("\"lim\""), "{listed}");
+
+    // An engine added through one replica reaches the other through the store, and so does its
+    // removal.
+    let admin2_url = format!("http://127.0.0.1:{admin2}");
+    let env2 = [
+        ("KVGATE_ADMIN_URL", admin2_url.as_str()),
+        ("KVGATE_OPERATOR_TOKEN", OPERATOR),
+    ];
+    run(
+        &["admin", "engines", "add", "far", "http://127.0.0.1:9"],
+        &env,
+    );
+    let until = |env: &[(&str, &str)], present: bool| {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let list = run(&["admin", "engines", "list"], env);
+            if list.contains("\"far\"") == present {
+                return;
+            }
+            assert!(Instant::now() < deadline, "registry sync: {list}");
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    };
+    until(&env2, true);
+    run(&["admin", "engines", "remove", "far"], &env2);
+    until(&env, false);
 }

@@ -1,6 +1,8 @@
 //! The official `openai` Python client (installed by scripts/test into target/venv) completes a
-//! streaming and a non-streaming chat completion against a real engine.
+//! streaming and a non-streaming chat completion against a real engine, and through the gateway
+//! with an issued API key.
 
+use kvgate_tests::gateway::{config, gated_engine, StoreKind, TestGateway};
 use kvgate_tests::{Engine, MODEL};
 use std::path::Path;
 use std::process::Command;
@@ -8,7 +10,7 @@ use std::process::Command;
 const SCRIPT: &str = r#"
 import sys
 from openai import OpenAI
-client = OpenAI(base_url=sys.argv[1], api_key="unused")
+client = OpenAI(base_url=sys.argv[1], api_key=sys.argv[3])
 model = sys.argv[2]
 messages = [{"role": "user", "content": "What is the capital of France?"}]
 full = client.chat.completions.create(model=model, messages=messages, temperature=0)
@@ -33,8 +35,7 @@ except Exception as e:
     print("ERROR", type(e).__name__)
 "#;
 
-#[test]
-fn the_official_openai_client_works() {
+fn python_with_openai() -> Option<std::path::PathBuf> {
     let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/venv/bin/python");
     let has_openai = python.exists()
         && Command::new(&python)
@@ -47,11 +48,15 @@ fn the_official_openai_client_works() {
             "scripts/test installs openai into target/venv"
         );
         eprintln!("skipped: target/venv has no openai package (run scripts/test)");
-        return;
+        return None;
     }
-    let e = Engine::start("");
-    let out = Command::new(&python)
-        .args(["-c", SCRIPT, &format!("http://{}/v1", e.addr), MODEL])
+    Some(python)
+}
+
+/// Runs the client script against `base_url` and checks the golden answers.
+fn check_client(python: &Path, base_url: &str, key: &str) {
+    let out = Command::new(python)
+        .args(["-c", SCRIPT, base_url, MODEL, key])
         .output()
         .expect("python runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -71,4 +76,25 @@ fn the_official_openai_client_works() {
     assert!(stdout.contains("STREAM_USAGE 8"), "{stdout}");
     assert!(stdout.contains(&format!("MODELS ['{MODEL}']")), "{stdout}");
     assert!(stdout.contains("ERROR NotFoundError"), "{stdout}");
+}
+
+#[test]
+fn the_official_openai_client_works() {
+    let Some(python) = python_with_openai() else {
+        return;
+    };
+    let e = Engine::start("");
+    check_client(&python, &format!("http://{}/v1", e.addr), "unused");
+}
+
+#[test]
+fn the_official_openai_client_works_through_the_gateway() {
+    let Some(python) = python_with_openai() else {
+        return;
+    };
+    let e = gated_engine("blocks = 1024");
+    let gw = TestGateway::start(config(&[("e0", e.addr)]), StoreKind::Memory);
+    gw.wait_ready(1);
+    let key = gw.tenant("py", serde_json::json!({}));
+    check_client(&python, &format!("http://{}/v1", gw.addr), &key);
 }

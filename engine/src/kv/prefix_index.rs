@@ -7,29 +7,9 @@
 use super::BlockId;
 use kvgate_protocol::BlockHash;
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 
-/// Hasher for keys that are already cryptographic hashes: folds the input into 64 bits.
-#[derive(Default, Debug, Clone, Copy)]
-pub struct PrehashedHasher(u64);
-
-impl Hasher for PrehashedHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
-            self.0 ^= u64::from_le_bytes(b);
-        }
-    }
-
-    fn write_u128(&mut self, i: u128) {
-        self.0 ^= i as u64;
-    }
-}
+pub use kvgate_protocol::hash::PrehashedHasher;
 
 /// A map keyed by block hashes.
 pub type HashMapByBlock<V> = HashMap<BlockHash, V, BuildHasherDefault<PrehashedHasher>>;

@@ -2,34 +2,15 @@
 //! of engine slots) holding it, fed by each engine's `/kv/events`. Block hashes are already
 //! uniform (BLAKE3), so the table uses them as their own hash.
 
+use kvgate_protocol::hash::PrehashedHasher;
 use kvgate_protocol::BlockHash;
 use std::collections::{HashMap, HashSet};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 
 /// Most engines one gateway routes to (one bit each).
 pub const MAX_ENGINES: usize = 64;
 
-/// A hasher for keys that are already uniformly distributed.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Prehashed(u64);
-
-impl Hasher for Prehashed {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
-            self.0 ^= u64::from_le_bytes(b);
-        }
-    }
-    fn write_u128(&mut self, v: u128) {
-        self.0 = v as u64;
-    }
-}
-
-type Fast = BuildHasherDefault<Prehashed>;
+type Fast = BuildHasherDefault<PrehashedHasher>;
 
 /// Block hash -> engines, plus each engine's own set (for removal and re-sync).
 #[derive(Debug, Default)]
