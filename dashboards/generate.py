@@ -207,14 +207,15 @@ def kv_cache():
           [q(f"sum by (direction) (rate(kvgate_swapped_blocks_total{{{ENGINE}}}{RATE}))",
              "{{direction}}")], w=8, unit="short",
           description="Blocks copied between device and host by swap preemption.")
-    L.add("KV blocks per tenant (against capacity)",
-          [q(f"sum by (tenant) (kvgate_tenant_kv_blocks{{{TENANT}}})", "{{tenant}}"),
-           q(f"sum(kvgate_kv_blocks_capacity{{{ENGINE}}})", "capacity")],
-          w=24, stack=True,
-          description="Blocks held by each tenant's running sequences. A tenant's KV quota "
-          "(kvgate admin tenants) caps its line; the quota itself is not exported as a metric "
-          "yet, so the dashed line is the pool's capacity.",
-          overrides=[{"matcher": {"id": "byName", "options": "capacity"},
+    L.add("KV blocks per tenant (against quota)",
+          [q(f"max by (tenant) (kvgate_tenant_kv_blocks{{{TENANT}}})", "{{tenant}}"),
+           q(f"max by (tenant) (kvgate_tenant_kv_quota_blocks{{{TENANT}}})", "quota {{tenant}}"),
+           q(f"max(kvgate_kv_blocks_capacity{{{ENGINE}}})", "capacity")],
+          w=24, stack=False,
+          description="Blocks held by each tenant's running sequences on its busiest engine "
+          "(the quota applies per engine), the tenant's KV block quota (kvgate admin tenants --kv-quota; dashed), and the pool's "
+          "capacity.",
+          overrides=[{"matcher": {"id": "byRegexp", "options": "quota .*|capacity"},
                       "properties": [{"id": "custom.stacking", "value": {"mode": "none"}},
                                      {"id": "custom.fillOpacity", "value": 0},
                                      {"id": "custom.lineStyle",

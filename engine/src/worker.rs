@@ -488,6 +488,11 @@ impl<B: Backend> Worker<B> {
             .iter()
             .map(|(t, s)| (t.clone(), u64::from(self.sched.kv.scope_usage(*s))))
             .collect();
+        let tenant_quota: Vec<(String, u64)> = self
+            .tenant_scopes
+            .iter()
+            .filter_map(|(t, s)| Some((t.clone(), u64::from(self.sched.kv.quota(*s)?))))
+            .collect();
         let (running, waiting, swapped) = (
             self.sched.num_running(),
             self.sched.num_waiting(),
@@ -508,6 +513,7 @@ impl<B: Backend> Worker<B> {
             m.waiting = waiting as u64;
             m.swapped = swapped as u64;
             m.tenant_blocks.extend(tenant_blocks);
+            m.tenant_quota.extend(tenant_quota);
         });
     }
 

@@ -13,7 +13,7 @@ fn write_live_scrapes() {
     let engine = gated_engine("blocks = 1024");
     let gw = TestGateway::start(config(&[("e0", engine.addr)]), StoreKind::Memory);
     gw.wait_ready(1);
-    let key = gw.tenant("ops", json!({"requests_per_min": 1}));
+    let key = gw.tenant("ops", json!({"requests_per_min": 1, "kv_block_quota": 256}));
     let r = gw.chat(&key, Some("You are terse."), "Hi", r#","max_tokens":2"#);
     assert_eq!(r.status, 200, "{}", r.body);
     let r = gw.chat(
@@ -37,6 +37,10 @@ fn write_live_scrapes() {
         assert!(gateway.contains(needle), "{needle} missing:\n{gateway}");
     }
     assert!(engine_text.contains("kvgate_prefix_cache_queried_tokens_total"));
+    assert!(
+        engine_text.contains("kvgate_tenant_kv_quota_blocks{tenant=\"ops\"} 256"),
+        "{engine_text}"
+    );
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/ops");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("gateway.prom"), gateway).unwrap();

@@ -79,6 +79,8 @@ pub struct MetricsState {
     pub waiting: u64,
     pub swapped: u64,
     pub tenant_blocks: BTreeMap<String, u64>,
+    /// KV block quota per tenant (tenants with a quota only).
+    pub tenant_quota: BTreeMap<String, u64>,
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub ttft: Histogram,
@@ -117,6 +119,7 @@ impl Metrics {
                 waiting: 0,
                 swapped: 0,
                 tenant_blocks: BTreeMap::new(),
+                tenant_quota: BTreeMap::new(),
                 prompt_tokens: 0,
                 generation_tokens: 0,
                 ttft: Histogram::new(LATENCY_BUCKETS),
@@ -289,6 +292,14 @@ fn render(m: &MetricsState) -> String {
         "KV blocks held per tenant.",
         "tenant",
         &tenant_map(&m.tenant_blocks),
+    );
+    by_label(
+        &mut o,
+        "kvgate_tenant_kv_quota_blocks",
+        "gauge",
+        "KV block quota per tenant (set by the gateway; tenants without a quota are absent).",
+        "tenant",
+        &tenant_map(&m.tenant_quota),
     );
     scalar(
         &mut o,
