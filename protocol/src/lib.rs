@@ -3,11 +3,14 @@
 //! - [`hash`]: the block-hash recipe. The gateway and every engine must turn the same tokens into
 //!   the same 128-bit keys, so the recipe lives here and nowhere else.
 //! - [`prompt`]: tokenizer and chat template, so gateway and engine tokenize alike.
+//! - [`bpe`]: a fast byte-level BPE encoder giving the same ids as `tokenizers`, for the
+//!   tokenizers it reproduces exactly; [`prompt`] uses it when it can.
 //! - [`events`]: the KV events an engine publishes (`/kv/events`) so the gateway's prefix index
 //!   mirrors the engine's cache.
 //!
 //! No network and no async.
 
+pub mod bpe;
 pub mod events;
 pub mod hash;
 pub mod openai;
