@@ -3,7 +3,10 @@
 -- JSON line of results at the end. Settings come from the environment:
 --   BENCH_TOKEN     bearer token (the engine token directly, an API key through the gateway)
 --   BENCH_STREAM    "1": ask for a streamed answer
---   BENCH_DELAY_MS  pause after each response on a connection (unset: closed loop, no pause)
+--   BENCH_DELAY_MS  mean pause after each response on a connection (unset: closed loop, no
+--                   pause); each pause is drawn from an exponential distribution, so the
+--                   connections' requests arrive like a Poisson process instead of in lock-step
+--                   bursts (wrk's timers tick in whole milliseconds)
 --   BENCH_LABEL     the run's name in the output
 local stream = os.getenv("BENCH_STREAM") == "1"
 wrk.method = "POST"
@@ -17,8 +20,11 @@ wrk.body = '{"model":"smollm2-135m-instruct","messages":['
 
 local pause = tonumber(os.getenv("BENCH_DELAY_MS") or "")
 if pause then
+  function init(args)
+    math.randomseed(os.time() + math.floor(os.clock() * 1e6))
+  end
   function delay()
-    return pause
+    return math.floor(-math.log(1 - math.random()) * pause + 0.5)
   end
 end
 

@@ -114,6 +114,7 @@ pub async fn serve_gateway(gw: Arc<Gateway>, banner: Option<String>) -> Result<(
     let _ = stop_tx.send(true);
     api_task.await??;
     admin_task.await??;
+    gw.stop_following();
     Ok(())
 }
 

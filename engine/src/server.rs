@@ -48,6 +48,9 @@ pub struct ServerState {
     pub inflight: AtomicUsize,
     pub next_id: AtomicU64,
     pub started: u64,
+    /// Set when the server shuts down: endless streams (`/kv/events`) end, so the graceful
+    /// shutdown, which waits for every connection, can finish.
+    pub closing: tokio::sync::watch::Sender<bool>,
 }
 
 impl ServerState {
@@ -62,6 +65,11 @@ pub async fn run(
     state: Arc<ServerState>,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
+    let closing = state.closing.clone();
+    let shutdown = async move {
+        shutdown.await;
+        let _ = closing.send(true);
+    };
     http::serve(
         listener,
         move || {

@@ -20,6 +20,7 @@ use kvgate_protocol::openai::{
     strip_client_scope, ApiError, ChatCompletionRequest, CompletionRequest, Limits, ModelCard,
     ModelList, PromptInput,
 };
+use serde::Deserialize;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -143,8 +144,10 @@ fn prepare(gw: &Gateway, p: &Principal, kind: Kind, body: &[u8]) -> Result<Prepa
             if let Some(system) = &tenant.system_prompt {
                 inject_system_prompt(&mut json, system);
             }
-            let typed: ChatCompletionRequest =
-                serde_json::from_value(json.clone()).map_err(|e| ApiError::from_json_error(&e))?;
+            // Straight from the tree (no deep copy of the body): the same errors as an owned
+            // `from_value`.
+            let typed = ChatCompletionRequest::deserialize(&json)
+                .map_err(|e| ApiError::from_json_error(&e))?;
             let input = typed.validate(&limits)?;
             let hashes = gw
                 .hasher

@@ -177,6 +177,14 @@ impl Gateway {
         Ok(here || stored)
     }
 
+    /// Stops following every engine (health checks, KV event streams), for shutdown: an engine
+    /// shutting down gracefully waits for the event stream's connection to close.
+    pub fn stop_following(&self) {
+        for e in self.registry.all() {
+            self.registry.remove(&e.name);
+        }
+    }
+
     /// Serves the tenants' API until `shutdown`; streams in flight finish first.
     pub async fn run(
         self: Arc<Self>,

@@ -105,3 +105,21 @@ fn snapshot_then_numbered_events_rebuild_the_cache_index() {
     assert_eq!(ev["type"], "AllCleared");
     assert_eq!(ev["seq"].as_u64().unwrap(), last + 1);
 }
+
+/// A graceful shutdown ends the endless event stream, so it finishes (it waits for every
+/// connection) instead of hanging on a gateway that is still subscribed.
+#[test]
+fn shutdown_ends_the_event_stream() {
+    let e = Engine::start("");
+    let mut sub = Subscription::open(&e);
+    let (event, _) = sub.next();
+    assert_eq!(event, "snapshot");
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(e);
+        let _ = done_tx.send(());
+    });
+    done_rx
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("the engine shut down with a subscriber attached");
+}

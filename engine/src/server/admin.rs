@@ -122,6 +122,7 @@ pub async fn kv_events(state: Arc<ServerState>, req: Request<Incoming>) -> Respo
         Err(e) => return error_response(&e),
     };
     let (tx, body) = stream_channel(256);
+    let mut closing = state.closing.subscribe();
     tokio::spawn(async move {
         let blocks: Vec<_> = blocks
             .iter()
@@ -138,7 +139,11 @@ pub async fn kv_events(state: Arc<ServerState>, req: Request<Incoming>) -> Respo
             return;
         }
         loop {
-            let frame = match events.recv().await {
+            let next = tokio::select! {
+                e = events.recv() => e,
+                _ = closing.wait_for(|c| *c) => return,
+            };
+            let frame = match next {
                 Ok(e) if e.seq <= seq => continue,
                 Ok(e) => match serde_json::to_string(&e) {
                     Ok(json) => format!("data: {json}\n\n"),

@@ -155,6 +155,7 @@ fn start_on<B: Backend + 'static>(
         draining: AtomicBool::new(false),
         inflight: AtomicUsize::new(0),
         next_id: AtomicU64::new(1),
+        closing: tokio::sync::watch::channel(false).0,
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),

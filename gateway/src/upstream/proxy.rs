@@ -157,16 +157,70 @@ fn relay_headers(from: &hyper::HeaderMap) -> hyper::HeaderMap {
     out
 }
 
-/// `usage.prompt_tokens + usage.completion_tokens` of a JSON answer or chunk.
+/// `usage.prompt_tokens + usage.completion_tokens` of a JSON answer or chunk (`None` when it is
+/// not a JSON object or has no `usage`; a count that is not a number counts 0).
+///
+/// Runs on every answer, so only `usage` is kept: the rest of the document is checked and
+/// skipped without building a tree (`serde_json::Value` would allocate every field).
 pub fn usage_tokens(json: &[u8]) -> Option<u64> {
-    let v: serde_json::Value = serde_json::from_slice(json).ok()?;
-    let u = v.get("usage").filter(|u| !u.is_null())?;
+    let doc: UsageDoc = serde_json::from_slice(json).ok()?;
+    let u = doc.0.filter(|u| !u.is_null())?;
     let p = u.get("prompt_tokens").and_then(|x| x.as_u64()).unwrap_or(0);
     let c = u
         .get("completion_tokens")
         .and_then(|x| x.as_u64())
         .unwrap_or(0);
     Some(p + c)
+}
+
+/// A JSON object's `usage` member (the last one, as `serde_json::Value` keeps); every other
+/// member is skipped. Only an object is accepted.
+struct UsageDoc(Option<serde_json::Value>);
+
+impl<'de> serde::Deserialize<'de> for UsageDoc {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = UsageDoc;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<UsageDoc, A::Error> {
+                let mut usage = None;
+                while let Some(IsUsage(is_usage)) = map.next_key()? {
+                    if is_usage {
+                        usage = Some(map.next_value::<serde_json::Value>()?);
+                    } else {
+                        map.next_value::<serde::de::IgnoredAny>()?;
+                    }
+                }
+                Ok(UsageDoc(usage))
+            }
+        }
+        d.deserialize_map(Visitor)
+    }
+}
+
+/// Whether an object key is `usage` (read without allocating).
+struct IsUsage(bool);
+
+impl<'de> serde::Deserialize<'de> for IsUsage {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = IsUsage;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object key")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<IsUsage, E> {
+                Ok(IsUsage(v == "usage"))
+            }
+        }
+        d.deserialize_identifier(Visitor)
+    }
 }
 
 /// How a relayed stream ended.
@@ -373,4 +427,47 @@ pub fn stream_response(
     *r.status_mut() = status;
     *r.headers_mut() = headers;
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::usage_tokens;
+
+    /// The previous implementation (a whole `serde_json::Value`), as the reference.
+    fn reference(json: &[u8]) -> Option<u64> {
+        let v: serde_json::Value = serde_json::from_slice(json).ok()?;
+        let u = v.get("usage").filter(|u| !u.is_null())?;
+        let p = u.get("prompt_tokens").and_then(|x| x.as_u64()).unwrap_or(0);
+        let c = u
+            .get("completion_tokens")
+            .and_then(|x| x.as_u64())
+            .unwrap_or(0);
+        Some(p + c)
+    }
+
+    #[test]
+    fn usage_tokens_match_a_full_parse() {
+        for json in [
+            r#"{"id":"x","choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}],"usage":{"prompt_tokens":24,"completion_tokens":12,"total_tokens":36}}"#,
+            r#"{"usage":{"prompt_tokens":3},"choices":[]}"#,
+            r#"{"usage":null}"#,
+            r#"{"choices":[]}"#,
+            r#"{"usage":{"prompt_tokens":"7","completion_tokens":2}}"#,
+            r#"{"usage":5}"#,
+            r#"{"usage":{"prompt_tokens":1},"usage":{"prompt_tokens":2,"completion_tokens":3}}"#,
+            r#"{"us\u0061ge":{"prompt_tokens":4,"completion_tokens":4}}"#,
+            r#"{"nested":{"usage":{"prompt_tokens":9}}}"#,
+            r#"[{"prompt_tokens":1}]"#,
+            r#"{"usage":{"prompt_tokens":1}"#,
+            r#"{"usage":{"prompt_tokens":1}} trailing"#,
+            "null",
+            "",
+        ] {
+            assert_eq!(
+                usage_tokens(json.as_bytes()),
+                reference(json.as_bytes()),
+                "{json}"
+            );
+        }
+    }
 }
