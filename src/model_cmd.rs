@@ -118,14 +118,29 @@ fn sha256(path: &Path) -> Result<String> {
     Ok(format!("{:x}", hasher.finalize()))
 }
 
+/// Imports into a private directory beside `out`, then renames it into place, so processes that
+/// start at once (two gateways, a gateway and an engine) never read a half-written model; when
+/// another process got there first, its copy is kept.
 fn import(gguf: &Path, out: &Path) -> Result<()> {
     let progress = bar(0, "converting");
-    let summary = import_gguf(gguf, out, &mut |done, total| {
+    let tmp = out.with_file_name(format!(
+        ".{}.importing-{}",
+        out.file_name().and_then(|n| n.to_str()).unwrap_or("model"),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let summary = import_gguf(gguf, &tmp, &mut |done, total| {
         progress.set_length(total);
         progress.set_position(done);
     })
     .with_context(|| format!("importing {}", gguf.display()))?;
     progress.finish_and_clear();
+    if let Err(e) = std::fs::rename(&tmp, out) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        if !out.join("config.json").exists() {
+            return Err(e).with_context(|| format!("moving the model into {}", out.display()));
+        }
+    }
     eprintln!(
         "imported {} ({} tensors, {} parameters) into {}",
         gguf.display(),

@@ -58,7 +58,8 @@ fn gateway(dir: &std::path::Path, redis: &str, n: usize) -> (u16, u16, Proc) {
         &path,
         format!(
             "listen = \"127.0.0.1:{api}\"\nadmin_listen = \"127.0.0.1:{admin}\"\nredis = \"{redis}\"\n\
-             pepper = \"a-pepper-shared-by-replicas\"\noperator_token = \"{OPERATOR}\"\n"
+             model = \"{}\"\npepper = \"a-pepper-shared-by-replicas\"\noperator_token = \"{OPERATOR}\"\n",
+            kvgate_tests::smollm2_dir().display()
         ),
     )
     .unwrap();
