@@ -201,7 +201,9 @@ impl Scheduler {
             if !self.make_room(gid, needed, plan) {
                 continue;
             }
-            let group = self.groups.get_mut(&gid).expect("running group");
+            let Some(group) = self.groups.get_mut(&gid) else {
+                continue;
+            };
             for seq in group.seqs.iter_mut().filter(|s| s.finished.is_none()) {
                 let last = seq.tokens[seq.num_computed..].to_vec();
                 // A quota reached by decode: this sequence waits a step.
@@ -227,7 +229,9 @@ impl Scheduler {
     /// `gid` itself had to go.
     fn make_room(&mut self, gid: GroupId, needed: usize, plan: &mut StepPlan) -> bool {
         while needed > self.kv.num_free_blocks() {
-            let victim = self.pick_victim();
+            let Some(victim) = self.pick_victim() else {
+                return false;
+            };
             let alone = self.running.len() == 1;
             self.preempt(victim, plan);
             if victim == gid {
@@ -241,18 +245,19 @@ impl Scheduler {
     }
 
     /// The lowest-priority group, latest arrival among equals.
-    fn pick_victim(&self) -> GroupId {
-        *self
-            .running
+    fn pick_victim(&self) -> Option<GroupId> {
+        self.running
             .iter()
             .rev()
             .min_by(|a, b| self.priorities[a].total_cmp(&self.priorities[b]))
-            .expect("preemption only happens with running groups")
+            .copied()
     }
 
     fn preempt(&mut self, gid: GroupId, plan: &mut StepPlan) {
         self.running.retain(|g| *g != gid);
-        let group = self.groups.get_mut(&gid).expect("running group");
+        let Some(group) = self.groups.get_mut(&gid) else {
+            return;
+        };
         group.preemptions += 1;
         let seqs: Vec<SeqId> = group.live().map(|s| s.id).collect();
         if self.config.preempt_mode == PreemptMode::Swap {
@@ -331,7 +336,9 @@ impl Scheduler {
     /// Schedules the next chunk of every uncomputed sequence of `gid`. Returns false when the
     /// budget or the memory ran out.
     fn prefill_group(&mut self, gid: GroupId, plan: &mut StepPlan, budget: &mut Budget) -> bool {
-        let group = self.groups.get_mut(&gid).expect("group");
+        let Some(group) = self.groups.get_mut(&gid) else {
+            return true;
+        };
         let mut complete = true;
         for seq in group.seqs.iter_mut().filter(|s| s.finished.is_none()) {
             let want = seq.num_uncomputed();
@@ -442,7 +449,9 @@ impl Scheduler {
             }
         }
         let first = group.hashed.is_some();
-        let group = self.groups.get_mut(&gid).expect("group");
+        let Some(group) = self.groups.get_mut(&gid) else {
+            return Ok(());
+        };
         for (seq, (_, cached)) in group
             .seqs
             .iter_mut()
@@ -489,7 +498,9 @@ impl Scheduler {
                 });
             }
         }
-        let group = self.groups.get_mut(&gid).expect("group");
+        let Some(group) = self.groups.get_mut(&gid) else {
+            return Vec::new();
+        };
         group.seqs.extend(children);
         group.seqs.iter().map(|s| s.id).collect()
     }

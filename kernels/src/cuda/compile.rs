@@ -79,7 +79,14 @@ pub fn compile_all(arch: &str) -> Result<Arc<Vec<Compiled>>, CudaError> {
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().expect("NVRTC compile thread panicked"))
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(CudaError::Driver {
+                        op: "nvrtc compile",
+                        detail: "the compile thread panicked".into(),
+                    })
+                })
+            })
             .collect()
     });
     let compiled = Arc::new(results.into_iter().collect::<Result<Vec<_>, _>>()?);
