@@ -56,7 +56,8 @@ pub struct BenchArgs {
     /// ShareGPT prompts are cut to this many characters.
     #[arg(long, default_value_t = 1200)]
     max_prompt_chars: usize,
-    /// Give each request its own cache scope, so nothing is shared.
+    /// Give each request its own cache scope, so nothing is shared (an engine honours the scope
+    /// header only with its engine token: pass it as --api-key).
     #[arg(long)]
     no_prefix_cache: bool,
     /// API key (sent as a bearer token), for a gateway.

@@ -4,6 +4,7 @@
 use crate::model_cmd;
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use kvgate_gateway::config::redact_url;
 use kvgate_gateway::store::{MemoryStore, RedisStore, Store};
 use kvgate_gateway::{Gateway, GatewayConfig};
 use kvgate_protocol::prompt::PromptRenderer;
@@ -26,7 +27,7 @@ pub struct GatewayArgs {
 #[derive(Args, Debug)]
 pub struct MigrateArgs {
     /// Redis URL, for example redis://127.0.0.1:6379.
-    #[arg(long, env = "KVGATE_REDIS")]
+    #[arg(long, env = "KVGATE_REDIS", hide_env_values = true)]
     redis: String,
 }
 
@@ -75,7 +76,7 @@ pub async fn open_store(redis: Option<&str>) -> Result<Arc<dyn Store>> {
         Some(url) => {
             let store = RedisStore::connect(url)
                 .await
-                .with_context(|| format!("connecting to {url}"))?;
+                .with_context(|| format!("connecting to {}", redact_url(url)))?;
             store
                 .check_schema()
                 .await
@@ -144,7 +145,7 @@ pub fn migrate(args: MigrateArgs) -> Result<()> {
     runtime()?.block_on(async move {
         let store = RedisStore::connect(&args.redis)
             .await
-            .with_context(|| format!("connecting to {}", args.redis))?;
+            .with_context(|| format!("connecting to {}", redact_url(&args.redis)))?;
         let before = store.schema_version().await?;
         let applied = store.migrate().await?;
         let after = store.schema_version().await?;

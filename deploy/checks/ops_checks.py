@@ -387,7 +387,8 @@ def check_k8s(args):
             if sel and not any(all(l.get(k) == v for k, v in sel.items()) for _, l in pods):
                 fail(f"{name}: {d['kind']}/{d['metadata']['name']} selects no pod")
 
-    # 3. Engines: readiness on /health, a preStop drain that waits, a grace period for it.
+    # 3. Engines: readiness on /health, liveness on /health/live (it fails for a stopped or stalled
+    #    engine thread, never for a draining engine), a preStop drain that waits, a grace period.
     eng = by.get(("StatefulSet", "kvgate-engine"))
     if eng:
         spec = eng["spec"]["template"]["spec"]
@@ -395,8 +396,14 @@ def check_k8s(args):
         rp = c.get("readinessProbe", {}).get("httpGet", {})
         if rp.get("path") != "/health":
             fail(f"{name}: engine readinessProbe is not GET /health")
-        if c.get("livenessProbe", {}).get("httpGet", {}).get("path") == "/health":
+        lp = c.get("livenessProbe", {}).get("httpGet", {})
+        if lp.get("path") == "/health":
             fail(f"{name}: engine livenessProbe on /health would restart draining engines")
+        elif lp.get("path") != "/health/live":
+            fail(f"{name}: engine livenessProbe is not GET /health/live (a TCP check passes "
+                 f"while the engine thread is dead)")
+        elif lp.get("port") != rp.get("port"):
+            fail(f"{name}: engine liveness and readiness probes use different ports")
         pre = " ".join(c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", []))
         for want in ("/admin/drain", "/admin/status", "drained"):
             if want not in pre:

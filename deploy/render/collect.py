@@ -44,7 +44,7 @@ def scrape(url):
     return out
 
 
-def tenant_load(url, model, tenant, stop, seed):
+def tenant_load(url, model, tenant, stop, seed, token):
     i = seed
     while not stop.is_set():
         body = json.dumps({
@@ -54,7 +54,8 @@ def tenant_load(url, model, tenant, stop, seed):
             "temperature": 0,
         }).encode()
         req = urllib.request.Request(url + "/v1/completions", data=body, headers={
-            "content-type": "application/json", "x-kvgate-tenant": tenant})
+            "content-type": "application/json", "x-kvgate-tenant": tenant,
+            "authorization": f"Bearer {token}"})
         try:
             urllib.request.urlopen(req, timeout=120).read()
         except Exception:
@@ -69,6 +70,8 @@ def main():
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--out", required=True)
     ap.add_argument("--phase", type=float, default=30.0, help="seconds per load phase")
+    ap.add_argument("--engine-token", required=True,
+                    help="the engine's token: tenant and scope headers count only with it")
     a = ap.parse_args()
 
     samples, t0 = [], time.time()
@@ -88,6 +91,7 @@ def main():
 
     def bench(*extra):
         return subprocess.Popen([a.kvgate, "bench", "--url", a.url, "--model", a.model,
+                                 "--api-key", a.engine_token,
                                  "--requests", "10000", "--duration", str(a.phase),
                                  "--max-tokens", "48", *extra],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -95,7 +99,7 @@ def main():
     phases = []
     # Phase 1: shared few-shot prefix plus two tenants with their own system prompts.
     stop_tenants = threading.Event()
-    tenants = [threading.Thread(target=tenant_load, args=(a.url, a.model, t, stop_tenants, k * 1000))
+    tenants = [threading.Thread(target=tenant_load, args=(a.url, a.model, t, stop_tenants, k * 1000, a.engine_token))
                for k, t in enumerate(TENANT_PROMPTS)]
     for th in tenants:
         th.start()

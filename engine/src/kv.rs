@@ -2,7 +2,8 @@
 //! which sequence, which blocks are shared, and which cached blocks to evict next.
 //!
 //! The pipeline, one file each:
-//! - [`block_pool`]: physical blocks with ref counts; free blocks in an O(1) intrusive LRU list.
+//! - [`block_pool`]: physical blocks with ref counts and holding tenants; free blocks in an O(1)
+//!   intrusive LRU list.
 //! - [`prefix_index`]: block hash -> block, longest-run lookup.
 //! - [`block_table`]: per-sequence logical -> physical mapping.
 //! - [`host_pool`]: host (CPU) blocks that preempted sequences are swapped into.
@@ -47,6 +48,11 @@ pub struct SeqId(pub u64);
 /// An interned cache scope (a tenant's own scope, or a shared one an operator assigned).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
 pub struct ScopeId(pub u32);
+
+/// A tenant, interned by the engine. KV quotas and per-tenant block counts belong to tenants,
+/// not scopes: tenants that share a scope share cached prefixes, never each other's quota.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct TenantId(pub u32);
 
 macro_rules! id_debug {
     ($($t:ident => $p:literal),*) => {$(

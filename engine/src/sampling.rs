@@ -24,17 +24,23 @@ pub use penalties::Penalties;
 pub use select::Workspace;
 pub use stop::{Finish, StopChecker, StopMatch};
 
-use kvgate_protocol::openai::SamplingParams;
+use kvgate_protocol::openai::{ApiError, SamplingParams};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use select::Filter;
 
-/// Why a step could not sample.
+/// Why a step could not sample. Whose fault it is decides the response: the request's own
+/// parameters are its 400, the engine's failures a 500 (which counts against the engine's health).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SamplingError {
     #[error("the logits row is empty")]
     EmptyLogits,
-    #[error("every token is masked (no finite logit)")]
+    /// The model gave no finite logit: an engine fault, whatever the request asked.
+    #[error("the model produced no finite logit")]
+    NoFiniteLogits,
+    /// The request's own masks (EOS and stop tokens under `min_tokens`) and adjustments left
+    /// no token to choose.
+    #[error("every token is masked by the request's parameters")]
     AllMasked,
 }
 
@@ -43,7 +49,26 @@ impl SamplingError {
     pub fn code(&self) -> &'static str {
         match self {
             SamplingError::EmptyLogits => "empty_logits",
+            SamplingError::NoFiniteLogits => "no_finite_logits",
             SamplingError::AllMasked => "all_masked",
+        }
+    }
+
+    /// Whether the request's parameters, not the engine, made the step fail.
+    pub fn is_request_fault(&self) -> bool {
+        matches!(self, SamplingError::AllMasked)
+    }
+
+    /// The error the request gets: 400 when its parameters are at fault, 500 otherwise.
+    pub fn api_error(&self) -> ApiError {
+        if self.is_request_fault() {
+            ApiError::invalid_value(
+                "min_tokens",
+                "No token can be sampled: the request's stop_token_ids and EOS, suppressed until \
+                 min_tokens, together with its logit_bias and penalties, exclude every token.",
+            )
+        } else {
+            ApiError::internal("The engine could not sample the next token.")
         }
     }
 }
@@ -144,6 +169,11 @@ impl Sampler {
     ) -> Result<Sampled, SamplingError> {
         if logits.is_empty() {
             return Err(SamplingError::EmptyLogits);
+        }
+        // Usually stops at the first logit; it tells a broken model from a request that masks
+        // everything, which only the request's own 400 may answer.
+        if !logits.iter().any(|&l| l > f32::NEG_INFINITY) {
+            return Err(SamplingError::NoFiniteLogits);
         }
         self.adjust(logits);
         let (argmax, max) = select::sanitize(logits).ok_or(SamplingError::AllMasked)?;

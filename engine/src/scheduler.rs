@@ -4,22 +4,34 @@
 //! a sequence cap (`max_seqs`):
 //! 1. every running sequence gets the slot for its next token (decode), oldest group first; when
 //!    blocks run out, the lowest-priority, latest-arrived group is preempted whole, by recompute
-//!    (its full blocks stay cached, so the resume mostly hits) or by swap to host blocks;
-//! 2. swapped-out groups come back in arrival order while blocks allow;
+//!    (its full blocks stay cached, so the resume mostly hits) or by swap to host blocks; when a
+//!    tenant's KV quota runs out, the same within that tenant. Every preemption happens before
+//!    any slot of the step is allocated, so a victim never leaves work in the plan;
+//! 2. swapped-out groups come back in arrival order while blocks (and their tenant's quota)
+//!    allow;
 //! 3. prefills: unfinished chunked prefills first, then new groups, chosen across tenants by
 //!    weighted fair queuing (each tenant's served tokens divided by its weight) and FIFO within a
 //!    tenant. A tenant at its KV quota waits; other tenants go on. A prompt is cut into chunks that
 //!    fit what is left of the token budget.
 //!
-//! A group that could never fit, even alone in an empty pool or within its tenant's quota, is
-//! rejected at once instead of being preempted forever.
+//! KV quotas belong to tenants, not cache scopes: tenants that share a scope share cached
+//! prefixes, and each is held to its own quota, which every request restates
+//! ([`Scheduler::update_tenant`]).
+//!
+//! A group that could never fit, even alone in an empty pool or within its tenant's quota (also
+//! one lowered after it was queued), is rejected instead of being preempted or kept waiting for
+//! ever.
 //!
 //! Files: [`sequence`] (groups and sequences), [`fairness`] (tenant queues), [`plan`] (the step
-//! plan), [`core`] (the algorithm).
+//! plan), [`core`] (the scheduler's state and the step), [`decode`] (decodes and preemption),
+//! [`prefill`] (prefills and admission), [`quota`] (tenants' KV quotas at admission).
 
 mod core;
+mod decode;
 pub mod fairness;
 pub mod plan;
+mod prefill;
+mod quota;
 pub mod sequence;
 
 pub use self::core::{NewGroup, Scheduler, SchedulerConfig, SchedulerStats};

@@ -13,7 +13,7 @@ pub mod http;
 pub mod launch;
 pub mod metrics;
 
-use crate::worker::Command;
+use crate::worker::{Command, EngineThread};
 use http::{error_response, RespBody};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -36,6 +36,8 @@ pub struct ServerState {
     pub vocab_size: usize,
     pub renderer: Arc<PromptRenderer>,
     pub commands: mpsc::Sender<Command>,
+    /// The engine thread behind `commands`, for `/health`.
+    pub engine: EngineThread,
     pub metrics: Arc<Metrics>,
     pub kv_events: broadcast::Sender<KvEventRecord>,
     pub limits: Limits,
@@ -89,6 +91,7 @@ async fn route(
     let method = req.method().clone();
     let resp = match (method.clone(), path.as_str()) {
         (Method::GET, "/health") => admin::health(&state),
+        (Method::GET, "/health/live") => admin::liveness(&state),
         (Method::GET, "/metrics") => http::text_response(
             "text/plain; version=0.0.4; charset=utf-8",
             state.metrics.render(),
@@ -101,6 +104,7 @@ async fn route(
         (
             _,
             "/health"
+            | "/health/live"
             | "/metrics"
             | "/v1/models"
             | "/v1/completions"

@@ -4,9 +4,15 @@
 //! events go out on a broadcast channel for `/kv/events`.
 //!
 //! A request whose output channel is closed (the client disconnected) is aborted at the next step
-//! and every block it held is freed.
+//! and every block it held is freed. Output channels are bounded and never waited on
+//! ([`outbox`]): a client that leaves its stream unread past the stall timeout has its request
+//! cancelled the same way.
 
 mod detok;
+mod liveness;
+mod outbox;
+
+pub use liveness::{EngineThread, Heartbeat, WorkerState, DEFAULT_STALL_AFTER};
 
 use crate::kv::{KvCacheManager, ScopeId};
 use crate::model::Llama;
@@ -20,11 +26,16 @@ use kvgate_kernels::{AttnSeq, Backend};
 use kvgate_protocol::openai::{ApiError, ErrorCode, FinishReason, SamplingParams};
 use kvgate_protocol::prompt::PromptRenderer;
 use kvgate_protocol::{BlockHash, KvEventRecord};
-use std::collections::HashMap;
+use outbox::{Outbox, Refused};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::{broadcast, mpsc, oneshot};
+
+/// Pieces a request's output channel holds before the engine holds output back; the HTTP side
+/// adds one slot per sample and one for the end ([`Submit::events`]).
+pub const EVENT_BUFFER: usize = 128;
 
 /// A request handed to the engine thread.
 #[derive(Debug)]
@@ -36,20 +47,25 @@ pub struct Submit {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
     pub max_tokens: u32,
-    pub events: mpsc::UnboundedSender<Event>,
+    /// Bounded: [`EVENT_BUFFER`] plus `n + 1` slots, which the engine reserves for each sample's
+    /// last piece and the request's end.
+    pub events: mpsc::Sender<Event>,
+    /// Fired when the request is cancelled because its client stopped reading.
+    pub on_stall: oneshot::Sender<()>,
 }
 
 /// What a request's channel carries, per sample `index`.
 #[derive(Debug, Clone)]
 pub enum Event {
-    /// The text a token added to sample `index` (may be empty while a character or a possible
-    /// stop string is incomplete). `token` and `logprobs` are absent when the token is not part
-    /// of the output (an EOS or stop token). `finish` is set on the sample's last piece.
+    /// The text tokens added to sample `index`: usually one token's (may be empty while a
+    /// character or a possible stop string is incomplete), several when the client reads slower
+    /// than the engine writes. `logprobs` has each output token with its logprobs, when the
+    /// request asked for them (never an EOS or stop token). `finish` is set on the sample's
+    /// last piece.
     Piece {
         index: u32,
         text: String,
-        token: Option<u32>,
-        logprobs: Option<TokenLogprobs>,
+        logprobs: Vec<(u32, TokenLogprobs)>,
         finish: Option<FinishReason>,
     },
     /// Every sample ended.
@@ -91,13 +107,15 @@ struct Sample {
     detok: Detokenizer,
     /// Bytes of `detok.text` already sent.
     sent: usize,
+    /// Logprobs of output tokens not sent yet (the channel was full).
+    held: Vec<(u32, TokenLogprobs)>,
     last_token_at: Option<Instant>,
     done: bool,
 }
 
 struct Request {
     tenant: String,
-    events: mpsc::UnboundedSender<Event>,
+    out: Outbox,
     arrival: Instant,
     prompt: Vec<u32>,
     samples: Vec<Sample>,
@@ -115,11 +133,10 @@ pub struct Worker<B: Backend> {
     eos: Vec<u32>,
     requests: HashMap<GroupId, Request>,
     tenants: HashMap<String, TenantId>,
-    /// The scope each tenant's requests use (the gateway gives a tenant one scope).
-    tenant_scopes: HashMap<String, ScopeId>,
     metrics: Arc<Metrics>,
     kv_events: broadcast::Sender<KvEventRecord>,
     ws: Workspace,
+    stall_timeout: Duration,
 }
 
 impl<B: Backend> std::fmt::Debug for Worker<B> {
@@ -146,16 +163,24 @@ impl<B: Backend> Worker<B> {
             eos,
             requests: HashMap::new(),
             tenants: HashMap::new(),
-            tenant_scopes: HashMap::new(),
             metrics,
             kv_events,
             ws: Workspace::new(),
+            stall_timeout: Duration::from_secs(30),
         }
     }
 
-    /// Runs until every sender of `rx` is gone and no work is left.
-    pub fn run(mut self, rx: Receiver<Command>) {
+    /// How long a request's output may sit in a full buffer before it is cancelled as stalled.
+    pub fn with_stall_timeout(mut self, timeout: Duration) -> Self {
+        self.stall_timeout = timeout;
+        self
+    }
+
+    /// Runs until every sender of `rx` is gone and no work is left, beating `beat` once per
+    /// turn so `/health` can tell a stuck or dead engine thread from a busy one.
+    pub fn run(mut self, rx: Receiver<Command>, beat: &Heartbeat) {
         loop {
+            beat.beat(self.sched.has_work());
             if self.sched.has_work() {
                 loop {
                     match rx.try_recv() {
@@ -197,27 +222,31 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    fn tenant(&mut self, name: &str, priority: f64) -> TenantId {
+    fn tenant(&mut self, name: &str) -> TenantId {
         let next = TenantId(self.tenants.len() as u32);
-        let id = *self.tenants.entry(name.to_owned()).or_insert(next);
-        self.sched.set_tenant_weight(id, priority);
-        id
+        *self.tenants.entry(name.to_owned()).or_insert(next)
     }
 
     fn submit(&mut self, id: GroupId, s: Submit) {
-        let tenant = self.tenant(&s.tenant, s.priority);
+        let tenant = self.tenant(&s.tenant);
         let scope: ScopeId = self.sched.kv.scope(&s.scope);
-        self.tenant_scopes.insert(s.tenant.clone(), scope);
-        if s.kv_quota.is_some() {
-            self.sched.kv.set_quota(scope, s.kv_quota);
-        }
+        // Each request carries its tenant's current settings: a missing quota clears one.
+        self.sched.update_tenant(tenant, s.priority, s.kv_quota);
         let n = s.params.n.max(1);
+        let Some(out) = Outbox::new(s.events.clone(), n as usize, s.on_stall) else {
+            // The client left already (or sized the channel too small to reserve the ends).
+            let _ = s.events.try_send(Event::Failed(ApiError::internal(
+                "The request's output channel has no room for its end.",
+            )));
+            return;
+        };
         let samples = (0..n)
             .map(|i| Sample {
                 sampler: Sampler::new(&s.params, &s.prompt, &self.eos, i),
                 stop: StopChecker::new(&s.params, &self.eos, s.max_tokens),
                 detok: Detokenizer::default(),
                 sent: 0,
+                held: Vec::new(),
                 last_token_at: None,
                 done: false,
             })
@@ -232,7 +261,7 @@ impl<B: Backend> Worker<B> {
             max_tokens: s.max_tokens as usize,
         });
         if let Err(reason) = added {
-            let _ = s.events.send(Event::Failed(ApiError::new(
+            out.end(Event::Failed(ApiError::new(
                 ErrorCode::InvalidValue,
                 reason,
             )));
@@ -242,7 +271,7 @@ impl<B: Backend> Worker<B> {
             id,
             Request {
                 tenant: s.tenant,
-                events: s.events,
+                out,
                 arrival: Instant::now(),
                 prompt: s.prompt,
                 samples,
@@ -258,17 +287,18 @@ impl<B: Backend> Worker<B> {
         let gone: Vec<GroupId> = self
             .requests
             .iter()
-            .filter(|(_, r)| r.events.is_closed())
+            .filter(|(_, r)| r.out.is_closed())
             .map(|(id, _)| *id)
             .collect();
         for id in gone {
             self.sched.abort(id);
             self.requests.remove(&id);
         }
+        self.cancel_stalled();
         let plan = self.sched.schedule();
         for (id, reason) in &plan.rejected {
             if let Some(r) = self.requests.remove(id) {
-                let _ = r.events.send(Event::Failed(ApiError::new(
+                r.out.end(Event::Failed(ApiError::new(
                     ErrorCode::InvalidValue,
                     reason.clone(),
                 )));
@@ -293,6 +323,30 @@ impl<B: Backend> Worker<B> {
         }
         self.metrics
             .update(|m| m.batch_tokens.observe(plan.num_tokens() as f64));
+    }
+
+    /// Cancels requests whose client has not read its full buffer for the stall timeout: their
+    /// blocks go back to the pool, and their output stops growing.
+    fn cancel_stalled(&mut self) {
+        let (now, timeout) = (Instant::now(), self.stall_timeout);
+        let stalled: Vec<GroupId> = self
+            .requests
+            .iter_mut()
+            .filter_map(|(id, r)| r.out.is_stalled(now, timeout).then_some(*id))
+            .collect();
+        for id in stalled {
+            self.sched.abort(id);
+            if let Some(r) = self.requests.remove(&id) {
+                tracing::info!(
+                    request = id.0,
+                    tenant = %r.tenant,
+                    timeout_ms = timeout.as_millis() as u64,
+                    "client stopped reading its stream; request cancelled"
+                );
+                r.out.stall();
+            }
+            self.metrics.update(|m| m.stalled_clients += 1);
+        }
     }
 
     /// Runs the plan's items through the model; returns the logits of the sampled items, in
@@ -395,11 +449,13 @@ impl<B: Backend> Worker<B> {
         let sampled = match sample.sampler.sample(logits, &mut self.ws) {
             Ok(s) => s,
             Err(e) => {
-                let _ = req
-                    .events
-                    .send(Event::Failed(ApiError::internal(e.to_string())));
+                if !e.is_request_fault() {
+                    tracing::error!(request = gid.0, code = e.code(), "sampling failed");
+                }
                 self.sched.abort(gid);
-                self.requests.remove(&gid);
+                if let Some(req) = self.requests.remove(&gid) {
+                    req.out.end(Event::Failed(e.api_error()));
+                }
                 return;
             }
         };
@@ -429,16 +485,11 @@ impl<B: Backend> Worker<B> {
             None => (sample.stop.streamable_len(&sample.detok.text), true),
         };
         let keep = keep.max(sample.sent).min(sample.detok.text.len());
-        let text = sample.detok.text[sample.sent..keep].to_owned();
-        sample.sent = keep;
-        let event = Event::Piece {
-            index: index as u32,
-            text,
-            token: output.then_some(sampled.token),
-            logprobs: sampled.logprobs.filter(|_| output),
-            finish: finish.as_ref().map(|f| f.reason),
-        };
-        let delivered = req.events.send(event).is_ok();
+        if let Some(lp) = sampled.logprobs.filter(|_| output) {
+            sample.held.push((sampled.token, lp));
+        }
+        let reason = finish.as_ref().map(|f| f.reason);
+        let delivered = deliver(&mut req.out, sample, index, keep, reason, now);
         if !delivered {
             self.sched.abort(gid);
             self.requests.remove(&gid);
@@ -462,9 +513,10 @@ impl<B: Backend> Worker<B> {
 
     fn finish_request(&mut self, req: Request, cached: usize) {
         let duration = req.arrival.elapsed().as_secs_f64();
-        let _ = req.events.send(Event::Done {
-            prompt_tokens: req.prompt.len(),
-            completion_tokens: req.completion_tokens,
+        let (prompt_tokens, completion_tokens) = (req.prompt.len(), req.completion_tokens);
+        req.out.end(Event::Done {
+            prompt_tokens,
+            completion_tokens,
             cached_tokens: cached,
         });
         self.metrics.update(|m| {
@@ -483,15 +535,16 @@ impl<B: Backend> Worker<B> {
         let usage = self.sched.kv.usage();
         let c = self.sched.kv.counters();
         let s = self.sched.stats();
-        let tenant_blocks: Vec<(String, u64)> = self
-            .tenant_scopes
+        let kv = &self.sched.kv;
+        let tenant_blocks: BTreeMap<String, u64> = self
+            .tenants
             .iter()
-            .map(|(t, s)| (t.clone(), u64::from(self.sched.kv.scope_usage(*s))))
+            .map(|(name, t)| (name.clone(), u64::from(kv.tenant_usage(*t))))
             .collect();
-        let tenant_quota: Vec<(String, u64)> = self
-            .tenant_scopes
+        let tenant_quota: BTreeMap<String, u64> = self
+            .tenants
             .iter()
-            .filter_map(|(t, s)| Some((t.clone(), u64::from(self.sched.kv.quota(*s)?))))
+            .filter_map(|(name, t)| Some((name.clone(), u64::from(kv.quota(*t)?))))
             .collect();
         let (running, waiting, swapped) = (
             self.sched.num_running(),
@@ -512,8 +565,9 @@ impl<B: Backend> Worker<B> {
             m.running = running as u64;
             m.waiting = waiting as u64;
             m.swapped = swapped as u64;
-            m.tenant_blocks.extend(tenant_blocks);
-            m.tenant_quota.extend(tenant_quota);
+            // Replaced, not merged: a quota that was removed leaves the metric.
+            m.tenant_blocks = tenant_blocks;
+            m.tenant_quota = tenant_quota;
         });
     }
 
@@ -538,5 +592,43 @@ impl<B: Backend> Worker<B> {
 
     pub fn kv(&self) -> &KvCacheManager {
         &self.sched.kv
+    }
+}
+
+/// Sends sample `index`'s output up to byte `keep` of its text, with the logprobs it holds, and
+/// `finish` on its last piece. When the channel is full (the client reads slower than the engine
+/// writes) the output stays in the sample, nothing copied, and goes with the next piece that finds
+/// room. False when the client is gone.
+fn deliver(
+    out: &mut Outbox,
+    sample: &mut Sample,
+    index: usize,
+    keep: usize,
+    finish: Option<FinishReason>,
+    now: Instant,
+) -> bool {
+    if finish.is_none() && !out.has_room() {
+        out.full(now);
+        return true;
+    }
+    let event = Event::Piece {
+        index: index as u32,
+        text: sample.detok.text[sample.sent..keep].to_owned(),
+        logprobs: std::mem::take(&mut sample.held),
+        finish,
+    };
+    let from = std::mem::replace(&mut sample.sent, keep);
+    if finish.is_some() {
+        return out.last_piece(index, event);
+    }
+    match out.piece(event, now) {
+        Ok(()) => true,
+        Err(Refused::Full(event)) => {
+            if let Event::Piece { logprobs, .. } = event {
+                (sample.sent, sample.held) = (from, logprobs);
+            }
+            true
+        }
+        Err(Refused::Closed) => false,
     }
 }

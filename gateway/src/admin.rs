@@ -102,7 +102,7 @@ async fn admin(
         }
         (Method::DELETE, ["tenants", id]) => {
             let existed = gw.store.delete_tenant(id).await.map_err(store_err)?;
-            gw.auth.invalidate_tenant(id);
+            tenant_changed(&gw, id).await;
             if !existed {
                 return Err(no_such("tenant", id));
             }
@@ -117,7 +117,7 @@ async fn admin(
         }
         (Method::DELETE, ["tenants", id, "keys", key_id]) => {
             let revoked = gw.store.revoke_key(id, key_id).await.map_err(store_err)?;
-            gw.auth.invalidate_tenant(id);
+            tenant_changed(&gw, id).await;
             if !revoked {
                 return Err(no_such("key", key_id));
             }
@@ -259,8 +259,17 @@ async fn update_tenant(
     let t: Tenant = serde_json::from_value(merged).map_err(|e| ApiError::from_json_error(&e))?;
     check_tenant(&t)?;
     gw.store.put_tenant(&t).await.map_err(store_err)?;
-    gw.auth.invalidate_tenant(id);
+    tenant_changed(gw, id).await;
     Ok(ok_json(&t))
+}
+
+/// Drops what this replica cached of a tenant and tells the others to do the same (their key
+/// caches' TTL is the fallback when that message cannot be sent).
+async fn tenant_changed(gw: &Gateway, id: &str) {
+    gw.auth.invalidate_tenant(id);
+    if let Err(e) = gw.store.publish_tenant_change(id).await {
+        tracing::warn!(error = %e, tenant = id, "could not announce the change to other gateways");
+    }
 }
 
 fn key_view(k: &KeyRecord) -> Value {

@@ -3,13 +3,22 @@
 //! input fails here with the same error), rewritten (the client's cache scope removed, the
 //! tenant's default system prompt added), admitted by the tenant's rate limits, hashed, routed
 //! and proxied, with a retry on another engine while nothing has reached the client.
+//!
+//! Deadlines have one owner each: the request's (`request_timeout_secs`, until the answer
+//! starts, retries included) is kept here; an attempt's (`first_byte_timeout_secs`, within what
+//! is left of the request's) by the proxy, so a hung engine is given up and the next one tried
+//! before the request's own deadline. What a request holds (lease, engine load, its metrics
+//! line) lives in drop guards ([`guard`]), released however the request ends.
 
+mod guard;
+
+use self::guard::{EngineLoad, Lease, Outcome};
 use crate::auth::Principal;
 use crate::routing::prefix::PromptHashes;
 use crate::server::Gateway;
 use crate::service::{BodyLimit, RequestId};
 use crate::store::Admission;
-use crate::upstream::proxy::{self, Forward, Outcome, StreamEnd};
+use crate::upstream::proxy::{self, Forward, StreamEnd};
 use crate::upstream::{now_ms, Engine};
 use bytes::Bytes;
 use hyper::body::Incoming;
@@ -17,13 +26,14 @@ use hyper::header::{HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use kvgate_http::{error_response, json_response, ok_json, RespBody};
 use kvgate_protocol::openai::{
-    strip_client_scope, ApiError, ChatCompletionRequest, CompletionRequest, Limits, ModelCard,
-    ModelList, PromptInput,
+    strip_client_scope, ApiError, ChatCompletionRequest, CompletionRequest, ErrorCode, Limits,
+    ModelCard, ModelList, PromptInput,
 };
 use serde::Deserialize;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
 
 /// Engines tried per request (the first choice plus retries).
 const MAX_ATTEMPTS: usize = 3;
@@ -90,12 +100,27 @@ struct Prepared {
     wants_usage: bool,
 }
 
+/// Bodies up to this size are validated and hashed inline; larger ones on the blocking pool, a
+/// few at a time, so that one tenant's huge prompts never hold the threads that serve everyone.
+const INLINE_PREPARE_BYTES: usize = 64 << 10;
+
+/// Large requests being prepared at once (the rest wait their turn, asynchronously).
+fn heavy_permits() -> &'static Semaphore {
+    static PERMITS: std::sync::OnceLock<Semaphore> = std::sync::OnceLock::new();
+    PERMITS.get_or_init(|| {
+        let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Semaphore::new((cpus / 2).max(1))
+    })
+}
+
 async fn generate(gw: Arc<Gateway>, req: Request<Incoming>, kind: Kind) -> Response<RespBody> {
     let start = Instant::now();
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_secs(gw.config.request_timeout_secs);
     let Some(p) = principal(&req) else {
         return error_response(&ApiError::unauthorized("Missing API key."));
     };
-    let tenant_id = p.tenant.id.clone();
+    let mut outcome = Outcome::new(&gw, &p.tenant.id, start);
     let request_id = req
         .extensions()
         .get::<RequestId>()
@@ -104,25 +129,55 @@ async fn generate(gw: Arc<Gateway>, req: Request<Incoming>, kind: Kind) -> Respo
         .extensions()
         .get::<BodyLimit>()
         .map_or(gw.config.max_body_bytes, |l| l.0);
-    let result = async {
+    let admitted = tokio::time::timeout_at(deadline, async {
         let body = kvgate_http::read_body(req, limit).await?;
-        let prepared = prepare(&gw, &p, kind, &body)?;
-        admit(&gw, &p, &request_id).await?;
-        Ok::<_, ApiError>(prepared)
-    }
-    .await;
-    let prepared = match result {
-        Ok(x) => x,
-        Err(e) => {
-            gw.metrics.request(&tenant_id, e.status);
-            return error_response(&e);
-        }
-    };
-    let resp = forward(&gw, &p, &request_id, kind, prepared, start).await;
-    resp.unwrap_or_else(|e| {
-        gw.metrics.request(&tenant_id, e.status);
-        error_response(&e)
+        let prepared = prepare_bounded(&gw, &p, kind, body).await?;
+        let lease = admit(&gw, &p, prepared.hashes.prompt_tokens as u64).await?;
+        Ok::<_, ApiError>((prepared, lease))
     })
+    .await;
+    let (prepared, lease) = match admitted {
+        Ok(Ok(x)) => x,
+        Ok(Err(e)) => return fail(&mut outcome, &e),
+        Err(_) => return fail(&mut outcome, &ApiError::timeout()),
+    };
+    let to = Upstream {
+        gw: &gw,
+        p: &p,
+        request_id: &request_id,
+        kind,
+        deadline,
+    };
+    match forward(to, prepared, lease, &mut outcome).await {
+        Ok(resp) => resp,
+        Err(e) => fail(&mut outcome, &e),
+    }
+}
+
+/// The error's response, recorded as the request's outcome.
+fn fail(outcome: &mut Outcome, e: &ApiError) -> Response<RespBody> {
+    outcome.status = Some(e.status);
+    error_response(e)
+}
+
+/// [`prepare`], off the async threads for large bodies.
+async fn prepare_bounded(
+    gw: &Arc<Gateway>,
+    p: &Arc<Principal>,
+    kind: Kind,
+    body: Bytes,
+) -> Result<Prepared, ApiError> {
+    if body.len() <= INLINE_PREPARE_BYTES {
+        return prepare(gw, p, kind, &body);
+    }
+    let _permit = heavy_permits()
+        .acquire()
+        .await
+        .map_err(|_| ApiError::unavailable("The gateway is shutting down."))?;
+    let (gw, p) = (gw.clone(), p.clone());
+    tokio::task::spawn_blocking(move || prepare(&gw, &p, kind, &body))
+        .await
+        .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))?
 }
 
 /// Validates with the engine's rules and rewrites the body for the engine.
@@ -137,6 +192,17 @@ fn prepare(gw: &Gateway, p: &Principal, kind: Kind, body: &[u8]) -> Result<Prepa
         ));
     }
     strip_client_scope(&mut json);
+    let text = text_bytes(&json);
+    if text > gw.max_prompt_bytes {
+        return Err(ApiError::new(
+            ErrorCode::ContextLengthExceeded,
+            format!(
+                "The request carries {text} bytes of text; the model's context of {} tokens \
+                 holds at most {} bytes.",
+                gw.config.context_tokens, gw.max_prompt_bytes
+            ),
+        ));
+    }
     let limits = Limits::default();
     let scope = tenant.scope();
     let (model, stream, wants_usage, hashes) = match kind {
@@ -189,6 +255,17 @@ fn prepare(gw: &Gateway, p: &Principal, kind: Kind, body: &[u8]) -> Result<Prepa
     })
 }
 
+/// Bytes of every string in a JSON document: an upper bound on its prompt text, without
+/// tokenizing.
+fn text_bytes(v: &serde_json::Value) -> usize {
+    match v {
+        serde_json::Value::String(s) => s.len(),
+        serde_json::Value::Array(a) => a.iter().map(text_bytes).sum(),
+        serde_json::Value::Object(o) => o.iter().map(|(k, v)| k.len() + text_bytes(v)).sum(),
+        _ => 0,
+    }
+}
+
 /// Puts the tenant's default system prompt first when the conversation has none.
 fn inject_system_prompt(json: &mut serde_json::Value, system: &str) {
     let Some(messages) = json.get_mut("messages").and_then(|m| m.as_array_mut()) else {
@@ -205,21 +282,28 @@ fn inject_system_prompt(json: &mut serde_json::Value, system: &str) {
     }
 }
 
-/// The tenant's rate limits. When the store cannot be reached, requests of already
-/// authenticated tenants go through (limits fail open) and the failure is counted.
-async fn admit(gw: &Gateway, p: &Principal, request_id: &str) -> Result<(), ApiError> {
+/// The tenant's rate limits: admits the request and charges its prompt tokens, or refuses it.
+/// When the store cannot be reached, requests of already authenticated tenants go through
+/// (limits fail open) and the failure is counted.
+async fn admit(
+    gw: &Arc<Gateway>,
+    p: &Principal,
+    prompt_tokens: u64,
+) -> Result<Option<Lease>, ApiError> {
     let limits = p.tenant.rate_limits();
     if limits == Default::default() {
-        return Ok(());
+        return Ok(None);
     }
+    let id = Lease::new_id();
     let adm = Admission {
         tenant: &p.tenant.id,
         limits,
-        request_id,
-        lease_ms: gw.config.request_timeout_secs * 1000,
+        lease: &id,
+        lease_ms: guard::LEASE.as_millis() as u64,
+        tokens: prompt_tokens,
     };
     match gw.store.admit(adm).await {
-        Ok(Ok(())) => Ok(()),
+        Ok(Ok(())) => Ok(Some(Lease::held(gw, &p.tenant.id, limits, id))),
         Ok(Err(refusal)) => {
             gw.metrics.ratelimited(&p.tenant.id);
             let secs = refusal.retry_after_ms().div_ceil(1000).max(1);
@@ -234,7 +318,7 @@ async fn admit(gw: &Gateway, p: &Principal, request_id: &str) -> Result<(), ApiE
         Err(e) => {
             gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(error = %e, "rate limiter unavailable; admitting");
-            Ok(())
+            Ok(None)
         }
     }
 }
@@ -247,80 +331,72 @@ fn with_engine(mut r: Response<RespBody>, engine: &Engine) -> Response<RespBody>
     r
 }
 
-/// Settles a request once: engine counters, rate-limit release, metrics.
-struct Settle {
-    gw: Arc<Gateway>,
-    engine: Arc<Engine>,
-    tenant: Arc<crate::tenant::Tenant>,
-    request_id: Arc<str>,
-    start: Instant,
-    status: u16,
+/// Where and how a prepared request goes.
+struct Upstream<'a> {
+    gw: &'a Arc<Gateway>,
+    p: &'a Principal,
+    request_id: &'a Arc<str>,
+    kind: Kind,
+    /// The request's deadline for its answer to start.
+    deadline: tokio::time::Instant,
 }
 
-impl Settle {
-    fn finish(self, tokens: u64) {
-        self.engine.inflight.fetch_sub(1, Ordering::SeqCst);
-        let m = &self.gw.metrics;
-        m.request(&self.tenant.id, self.status);
-        m.request_duration
-            .observe(self.start.elapsed().as_secs_f64());
-        let limits = self.tenant.rate_limits();
-        if limits != Default::default() {
-            let gw = self.gw.clone();
-            let tenant = self.tenant.id.clone();
-            let id = self.request_id.clone();
-            tokio::spawn(async move {
-                if let Err(e) = gw.store.release(&tenant, limits, &id, tokens).await {
-                    gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(error = %e, "rate-limit release failed");
-                }
-            });
+impl Upstream<'_> {
+    /// What the engine is sent: the rewritten body and the tenant's identity headers.
+    fn forward_spec(&self, prepared: &Prepared) -> Forward {
+        let tenant = &self.p.tenant;
+        let header = |name: &'static str, v: String| {
+            HeaderValue::from_str(&v)
+                .ok()
+                .map(|v| (HeaderName::from_static(name), v))
+        };
+        let headers = [
+            header("x-kvgate-tenant", tenant.id.clone()),
+            header("x-kvgate-scope", tenant.scope()),
+            header("x-kvgate-priority", tenant.priority.max(1).to_string()),
+            tenant
+                .kv_block_quota
+                .and_then(|q| header("x-kvgate-kv-quota", q.to_string())),
+            header("x-request-id", self.request_id.to_string()),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        Forward {
+            path: match self.kind {
+                Kind::Chat => "/v1/chat/completions",
+                Kind::Completion => "/v1/completions",
+            },
+            body: prepared.body.clone(),
+            headers,
+            engine_token: self.gw.engine_token.clone(),
+            stream: prepared.stream,
+            client_wants_usage: prepared.wants_usage,
         }
     }
 }
 
+/// Routes and proxies, trying up to [`MAX_ATTEMPTS`] engines while nothing has reached the
+/// client and the deadline allows.
 async fn forward(
-    gw: &Arc<Gateway>,
-    p: &Principal,
-    request_id: &Arc<str>,
-    kind: Kind,
+    to: Upstream<'_>,
     prepared: Prepared,
-    start: Instant,
+    mut lease: Option<Lease>,
+    outcome: &mut Outcome,
 ) -> Result<Response<RespBody>, ApiError> {
-    let tenant = &p.tenant;
-    let header = |name: &'static str, v: String| {
-        HeaderValue::from_str(&v)
-            .ok()
-            .map(|v| (HeaderName::from_static(name), v))
-    };
-    let headers = [
-        header("x-kvgate-tenant", tenant.id.clone()),
-        header("x-kvgate-scope", tenant.scope()),
-        header("x-kvgate-priority", tenant.priority.max(1).to_string()),
-        tenant
-            .kv_block_quota
-            .and_then(|q| header("x-kvgate-kv-quota", q.to_string())),
-        header("x-request-id", request_id.to_string()),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
-    let fwd = Forward {
-        path: match kind {
-            Kind::Chat => "/v1/chat/completions",
-            Kind::Completion => "/v1/completions",
-        },
-        body: prepared.body,
-        headers,
-        engine_token: gw.engine_token.clone(),
-        stream: prepared.stream,
-        client_wants_usage: prepared.wants_usage,
-    };
-    let timeout = Duration::from_secs(gw.config.request_timeout_secs);
+    let gw = to.gw;
+    let fwd = to.forward_spec(&prepared);
+    let per_attempt = Duration::from_secs(gw.config.first_byte_timeout_secs);
     let block = gw.config.block_size as usize;
     let mut exclude = 0u64;
     let mut last_error = None;
     for _ in 0..MAX_ATTEMPTS {
+        let left = to
+            .deadline
+            .saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            break;
+        }
         let now = now_ms();
         let (candidates, engines) = gw.registry.candidates(
             &prepared.hashes.hashes,
@@ -343,70 +419,100 @@ async fn forward(
             .hashes
             .prompt_tokens
             .saturating_sub(choice.matched_blocks as usize * block) as u64;
-        engine.inflight.fetch_add(1, Ordering::SeqCst);
-        engine.queued_prefill.fetch_add(prefill, Ordering::Relaxed);
-        let outcome = proxy::attempt(&gw.client, &engine, &fwd, timeout).await;
-        engine.queued_prefill.fetch_sub(prefill, Ordering::Relaxed);
-        let settle = |status: StatusCode| Settle {
-            gw: gw.clone(),
-            engine: engine.clone(),
-            tenant: tenant.clone(),
-            request_id: request_id.clone(),
-            start,
-            status: status.as_u16(),
-        };
-        match outcome {
-            Outcome::Whole {
+        let mut load = EngineLoad::enter(&engine, prefill);
+        let budget = per_attempt.min(left);
+        let result = proxy::attempt(&gw.client, &engine, &fwd, budget).await;
+        load.started();
+        match result {
+            proxy::Outcome::Whole {
                 status,
                 headers,
                 body,
-                tokens,
+                usage,
             } => {
                 engine.record_success();
-                settle(status).finish(tokens);
+                if let (Some(l), Some(u)) = (lease.as_mut(), usage) {
+                    l.charge(
+                        u.completion
+                            + u.prompt
+                                .saturating_sub(prepared.hashes.prompt_tokens as u64),
+                    );
+                }
+                outcome.status = Some(status.as_u16());
                 return Ok(with_engine(
                     proxy::whole_response(status, headers, body),
                     &engine,
                 ));
             }
-            Outcome::Stream {
+            proxy::Outcome::Stream {
                 status,
                 headers,
                 mut relay,
             } => {
                 engine.record_success();
-                let settle = settle(status);
-                relay.on_end(Box::new(move |tokens, end| {
-                    if end == StreamEnd::Broken {
-                        settle.engine.record_failure(now_ms());
-                    }
-                    settle.finish(tokens);
-                }));
+                outcome.status = Some(status.as_u16());
+                let held = Held {
+                    load,
+                    lease: lease.take(),
+                    outcome: outcome.take(),
+                    prompt_charged: prepared.hashes.prompt_tokens as u64,
+                };
+                relay.on_end(Box::new(move |served, end| held.settle(served, end)));
                 return Ok(with_engine(
                     proxy::stream_response(status, headers, relay),
                     &engine,
                 ));
             }
-            Outcome::Retry { why, failure } => {
-                engine.inflight.fetch_sub(1, Ordering::SeqCst);
+            proxy::Outcome::Retry { why, failure } => {
                 if failure {
                     engine.record_failure(now_ms());
                 }
                 tracing::warn!(engine = %engine.name, %why, "engine attempt failed; retrying elsewhere");
-                exclude |= 1 << engine.slot;
                 last_error = Some(why);
             }
+            proxy::Outcome::TimedOut => {
+                // A hang counts against the engine only when it had its whole time.
+                if budget == per_attempt {
+                    engine.record_failure(now_ms());
+                }
+                tracing::warn!(engine = %engine.name, secs = budget.as_secs_f64(), "no first byte in time; retrying elsewhere");
+                last_error = Some("timed out before the first byte".into());
+            }
         }
+        exclude |= 1 << engine.slot;
     }
     if let Some(why) = last_error {
         tracing::warn!(%why, "no engine could serve the request");
     }
-    // Nothing was charged for tokens; free the concurrency slot.
-    let limits = tenant.rate_limits();
-    if limits != Default::default() {
-        if let Err(e) = gw.store.release(&tenant.id, limits, request_id, 0).await {
-            tracing::warn!(error = %e, "rate-limit release failed");
-        }
+    if tokio::time::Instant::now() >= to.deadline {
+        return Err(ApiError::timeout());
     }
     Err(ApiError::no_healthy_engine())
+}
+
+/// What a streamed answer holds until it ends.
+struct Held {
+    load: EngineLoad,
+    lease: Option<Lease>,
+    outcome: Outcome,
+    prompt_charged: u64,
+}
+
+impl Held {
+    /// The stream is over: charge what it served, tell the breaker about a broken stream, and
+    /// release everything (by dropping it).
+    fn settle(mut self, served: proxy::Served, end: StreamEnd) {
+        if end == StreamEnd::Broken {
+            self.load.engine().record_failure(now_ms());
+        }
+        if end == StreamEnd::ClientGone {
+            self.outcome.status = Some(guard::CLIENT_CLOSED);
+        }
+        if let Some(l) = self.lease.as_mut() {
+            let prompt_extra = served
+                .usage
+                .map_or(0, |u| u.prompt.saturating_sub(self.prompt_charged));
+            l.charge(served.completion() + prompt_extra);
+        }
+    }
 }

@@ -2,7 +2,9 @@
 //! hash, and the stored hash is compared with the computed one in constant time. Verified keys
 //! are cached in process for a short TTL, so the store sees one lookup per key per TTL, and a
 //! key that was verified keeps working for its TTL when the store is down; a key that is not
-//! cached then fails with 503 rather than hanging or being let in.
+//! cached then fails with 503 rather than hanging or being let in. A change to a tenant or its
+//! keys through any replica reaches every replica's cache at once (the store's change feed, see
+//! `Gateway::start`); the TTL bounds it when that feed is down.
 
 use crate::store::{Store, StoreError};
 use crate::tenant::{KeyHash, Tenant};
@@ -120,6 +122,11 @@ impl Auth {
     pub fn invalidate_tenant(&self, tenant: &str) {
         self.lock()
             .retain(|_, c| c.principal.as_ref().is_none_or(|p| p.tenant.id != tenant));
+    }
+
+    /// Drops every cached entry (changes may have been missed).
+    pub fn invalidate_all(&self) {
+        self.lock().clear();
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<KeyHash, Cached>> {

@@ -15,7 +15,12 @@
 //! block_size = 16                    # the engines' kv.block_size
 //! kv_dtype = "f32"                   # the engines' KV storage type
 //! max_body_bytes = 4194304
+//! context_tokens = 8192              # the model's context: longer prompts are refused unread
 //! request_timeout_secs = 600         # until the response starts (streams may run longer)
+//! first_byte_timeout_secs = 120      # one engine's first byte; past it, the next engine is tried
+//! header_timeout_secs = 30           # a client's request head, and its idle keep-alive time
+//! max_connections = 4096             # client connections held at once
+//! stall_timeout_secs = 30            # a client that stops reading its answer is cut off
 //! [routing]
 //! policy = "prefix"                  # prefix | round_robin | least_loaded | consistent_hash
 //! alpha = 1.0                        # tokens of prefix match worth one token of load
@@ -29,7 +34,7 @@
 use serde::Deserialize;
 use std::path::PathBuf;
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GatewayConfig {
     #[serde(default = "default_listen")]
@@ -56,8 +61,27 @@ pub struct GatewayConfig {
     pub kv_dtype: String,
     #[serde(default = "default_body_limit")]
     pub max_body_bytes: usize,
+    /// The model's context length in tokens. A prompt whose text could not fit even if every
+    /// token were the vocabulary's longest is refused before it is tokenized.
+    #[serde(default = "default_context_tokens")]
+    pub context_tokens: usize,
+    /// Until the response starts, retries included (the request's one deadline).
     #[serde(default = "default_timeout")]
     pub request_timeout_secs: u64,
+    /// One engine's time to its first byte; a hung engine is then tried no more and counted
+    /// against its circuit, and the request goes to the next engine within the deadline.
+    #[serde(default = "default_first_byte_timeout")]
+    pub first_byte_timeout_secs: u64,
+    /// A client's time to send a request head, and the idle time of a kept-alive connection.
+    #[serde(default = "default_header_timeout")]
+    pub header_timeout_secs: u64,
+    /// Client connections held at once, per listener.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// How long a client may leave its answer unread before its connection is closed (which
+    /// cancels the request on the engine).
+    #[serde(default = "default_header_timeout")]
+    pub stall_timeout_secs: u64,
     /// How long a verified API key is trusted without asking the store again.
     #[serde(default = "default_key_ttl")]
     pub key_cache_ttl_secs: u64,
@@ -107,6 +131,18 @@ fn default_body_limit() -> usize {
 }
 fn default_timeout() -> u64 {
     600
+}
+fn default_context_tokens() -> usize {
+    8192
+}
+fn default_first_byte_timeout() -> u64 {
+    120
+}
+fn default_header_timeout() -> u64 {
+    30
+}
+fn default_max_connections() -> usize {
+    4096
 }
 fn default_key_ttl() -> u64 {
     30
@@ -203,7 +239,31 @@ impl GatewayConfig {
         if self.max_body_bytes == 0 || self.request_timeout_secs == 0 {
             return Err("max_body_bytes and request_timeout_secs: must be positive".into());
         }
+        if self.first_byte_timeout_secs == 0
+            || self.header_timeout_secs == 0
+            || self.stall_timeout_secs == 0
+        {
+            return Err(
+                "first_byte_timeout_secs, header_timeout_secs and stall_timeout_secs: must be positive"
+                    .into(),
+            );
+        }
+        if self.context_tokens == 0 {
+            return Err("context_tokens: must be positive".into());
+        }
+        if self.max_connections == 0 {
+            return Err("max_connections: must be positive".into());
+        }
         Ok(())
+    }
+
+    /// The bounds on client connections of both listeners.
+    pub fn serve_limits(&self) -> kvgate_http::ServeLimits {
+        kvgate_http::ServeLimits {
+            max_connections: self.max_connections,
+            header_timeout: std::time::Duration::from_secs(self.header_timeout_secs),
+            write_stall: std::time::Duration::from_secs(self.stall_timeout_secs),
+        }
     }
 
     /// The deployment seed the engines hash with (zeros when unset, as on the engines).
@@ -213,6 +273,56 @@ impl GatewayConfig {
             .and_then(|s| parse_seed(s).ok())
             .unwrap_or([0; 32])
     }
+}
+
+/// Secrets never reach a log line or an error message through `{:?}`: tokens, the pepper and the
+/// seed are elided, and the Redis URL loses its password.
+impl std::fmt::Debug for GatewayConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let secret = |v: &Option<String>| v.as_ref().map(|_| "<redacted>");
+        f.debug_struct("GatewayConfig")
+            .field("listen", &self.listen)
+            .field("admin_listen", &self.admin_listen)
+            .field("redis", &self.redis.as_deref().map(redact_url))
+            .field("model", &self.model)
+            .field("model_id", &self.model_id)
+            .field("operator_token", &secret(&self.operator_token))
+            .field("engine_token", &secret(&self.engine_token))
+            .field("pepper", &secret(&self.pepper))
+            .field("hash_seed", &secret(&self.hash_seed))
+            .field("block_size", &self.block_size)
+            .field("kv_dtype", &self.kv_dtype)
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("context_tokens", &self.context_tokens)
+            .field("request_timeout_secs", &self.request_timeout_secs)
+            .field("first_byte_timeout_secs", &self.first_byte_timeout_secs)
+            .field("header_timeout_secs", &self.header_timeout_secs)
+            .field("max_connections", &self.max_connections)
+            .field("stall_timeout_secs", &self.stall_timeout_secs)
+            .field("key_cache_ttl_secs", &self.key_cache_ttl_secs)
+            .field("routing", &self.routing)
+            .field("engines", &self.engines)
+            .finish()
+    }
+}
+
+/// A URL fit to print: any password in it is replaced by `***`
+/// (`redis://:s3cret@host:6379/0` -> `redis://:***@host:6379/0`).
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    let Some((userinfo, host)) = authority.rsplit_once('@') else {
+        return url.to_owned();
+    };
+    let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+    if user.len() == userinfo.len() && !userinfo.is_empty() && !userinfo.contains(':') {
+        // A lone user part is a password in Redis URLs (`redis://password@host`).
+        return format!("{scheme}://***@{host}{tail}");
+    }
+    format!("{scheme}://{user}:***@{host}{tail}")
 }
 
 fn parse_seed(s: &str) -> Result<[u8; 32], String> {
@@ -245,5 +355,35 @@ mod tests {
         };
         c.apply_env(|k| (k == "KVGATE_OPERATOR_TOKEN").then(|| "env".to_owned()));
         assert_eq!(c.operator_token.as_deref(), Some("env"));
+    }
+
+    #[test]
+    fn secrets_are_redacted_in_debug_output() {
+        let c = GatewayConfig {
+            redis: Some("redis://kvgate:hunter2-password@redis:6379/0".into()),
+            operator_token: Some("op-secret-token".into()),
+            engine_token: Some("engine-secret-token".into()),
+            pepper: Some("pepper-secret-0123456789".into()),
+            ..GatewayConfig::default()
+        };
+        let shown = format!("{c:?}");
+        for secret in ["hunter2", "op-secret", "engine-secret", "pepper-secret"] {
+            assert!(!shown.contains(secret), "{secret} leaked: {shown}");
+        }
+        assert!(shown.contains("redis://kvgate:***@redis:6379/0"), "{shown}");
+    }
+
+    #[test]
+    fn redact_url_hides_passwords_only() {
+        for (url, shown) in [
+            ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379"),
+            ("redis://:pw@h:1/0", "redis://:***@h:1/0"),
+            ("redis://user:pw@h:1", "redis://user:***@h:1"),
+            ("redis://pw@h", "redis://***@h"),
+            ("rediss://u:p@ss@h/0?x=1", "rediss://u:***@h/0?x=1"),
+            ("not a url", "not a url"),
+        ] {
+            assert_eq!(redact_url(url), shown, "{url}");
+        }
     }
 }

@@ -30,6 +30,8 @@ pub struct Gateway {
     pub metrics: Metrics,
     pub client: HttpClient,
     pub engine_token: Option<Arc<str>>,
+    /// Most bytes of prompt text a request may carry (see [`max_prompt_bytes`]).
+    pub max_prompt_bytes: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +63,12 @@ impl Gateway {
             block_size: config.block_size,
             seed: config.seed(),
         });
+        if config.engine_token.is_none() {
+            tracing::warn!(
+                "no engine_token (KVGATE_ENGINE_TOKEN): engines ignore the tenant and scope \
+                 headers of an unauthenticated gateway, so every tenant shares one cache scope"
+            );
+        }
         let policy = Policy::parse(&config.routing.policy)
             .ok_or_else(|| StartError::Config("routing.policy".into()))?;
         let gw = Arc::new(Gateway {
@@ -70,6 +78,7 @@ impl Gateway {
                 load_factor: config.routing.load_factor,
                 block_size: config.block_size,
             }),
+            max_prompt_bytes: max_prompt_bytes(&renderer, config.context_tokens),
             hasher: PromptHasher::new(renderer, hasher),
             auth: Auth::new(
                 store.clone(),
@@ -94,6 +103,18 @@ impl Gateway {
         if gw.config.redis.is_some() {
             tokio::spawn(sync_engines(Arc::downgrade(&gw)));
         }
+        let weak = Arc::downgrade(&gw);
+        gw.store
+            .follow_tenant_changes(Arc::new(move |tenant: Option<&str>| {
+                let Some(gw) = weak.upgrade() else {
+                    return false;
+                };
+                match tenant {
+                    Some(t) => gw.auth.invalidate_tenant(t),
+                    None => gw.auth.invalidate_all(),
+                }
+                true
+            }));
         // First health round now, so the gateway routes as soon as it listens.
         let first =
             gw.registry
@@ -191,7 +212,14 @@ impl Gateway {
         listener: TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> std::io::Result<()> {
-        kvgate_http::serve(listener, move || service::stack(self.clone()), shutdown).await
+        let limits = self.config.serve_limits();
+        kvgate_http::serve_with(
+            listener,
+            limits,
+            move || service::stack(self.clone()),
+            shutdown,
+        )
+        .await
     }
 
     /// Serves the admin API and `/metrics` until `shutdown`.
@@ -200,8 +228,10 @@ impl Gateway {
         listener: TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> std::io::Result<()> {
-        kvgate_http::serve(
+        let limits = self.config.serve_limits();
+        kvgate_http::serve_with(
             listener,
+            limits,
             move || {
                 let gw = self.clone();
                 hyper::service::service_fn(move |req| {
@@ -213,6 +243,19 @@ impl Gateway {
         )
         .await
     }
+}
+
+/// The most prompt text, in bytes, that can fit in `context_tokens`: every token at the
+/// vocabulary's longest. Anything longer is refused before the tokenizer sees it, so a huge
+/// prompt costs a length check, not seconds of tokenizing.
+pub fn max_prompt_bytes(renderer: &PromptRenderer, context_tokens: usize) -> usize {
+    let longest = (0..renderer.vocab_size() as u32)
+        .filter_map(|id| renderer.decode(&[id]).ok())
+        .map(|t| t.len())
+        .max()
+        .unwrap_or(16)
+        .max(1);
+    context_tokens.saturating_mul(longest)
 }
 
 /// How often a gateway re-reads the engine registry from the store, so engines added or removed

@@ -1,6 +1,8 @@
 //! The tenants' API as a tower stack:
-//! request id -> trace -> body limit -> timeout -> auth -> (rate limit -> route -> proxy).
-//! Each layer is a small `tower::Service`; the last one is [`crate::api`].
+//! request id -> trace -> body limit -> auth -> (deadline -> rate limit -> route -> proxy).
+//! Each layer is a small `tower::Service`; the last one is [`crate::api`], which owns the
+//! request's deadline (a timeout layer here would race the proxy's own per-engine deadline and
+//! drop an attempt before it could be retried elsewhere).
 
 use crate::api;
 use crate::auth::{AuthError, Principal};
@@ -15,7 +17,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tower::{Layer, Service, ServiceBuilder};
 use tracing::Instrument;
 
@@ -39,10 +41,6 @@ pub fn stack(
         .layer(layer({
             let limit = gw.config.max_body_bytes;
             move |inner| BodyLimitService { inner, limit }
-        }))
-        .layer(layer({
-            let after = Duration::from_secs(gw.config.request_timeout_secs);
-            move |inner| TimeoutService { inner, after }
         }))
         .layer(layer({
             let gw = gw.clone();
@@ -199,45 +197,15 @@ where
 }
 
 #[derive(Debug, Clone)]
-struct TimeoutService<S> {
-    inner: S,
-    after: Duration,
-}
-
-impl<S> Service<Req> for TimeoutService<S>
-where
-    S: Service<Req, Response = Resp, Error = Infallible, Future: Send> + Clone + Send + 'static,
-{
-    type Response = Resp;
-    type Error = Infallible;
-    type Future = BoxFut;
-    ready_inner!();
-
-    /// Bounds the time until the response starts; a stream, once started, runs to its end.
-    fn call(&mut self, req: Req) -> BoxFut {
-        let mut inner = self.inner.clone();
-        let after = self.after;
-        Box::pin(async move {
-            match tokio::time::timeout(after, inner.call(req)).await {
-                Ok(r) => r,
-                Err(_) => Ok(error_response(&ApiError::timeout())),
-            }
-        })
-    }
-}
-
-#[derive(Debug, Clone)]
 struct AuthService<S> {
     inner: S,
     gw: Arc<Gateway>,
 }
 
-/// The API key in `Authorization: Bearer` (or OpenAI's `api-key` header).
+/// The API key in `Authorization: Bearer` (any case of the scheme) or OpenAI's `api-key`
+/// header.
 fn api_key(req: &Req) -> Option<&str> {
-    req.headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+    kvgate_http::bearer_token(req)
         .or_else(|| req.headers().get("api-key").and_then(|v| v.to_str().ok()))
         .map(str::trim)
 }

@@ -1,5 +1,6 @@
 //! HTTP plumbing shared by the engine and the gateway: response bodies (whole or streamed), JSON,
-//! SSE and error responses, bounded body reads, bearer-token checks.
+//! SSE and error responses, bounded body reads, bearer-token checks, and the bounded HTTP/1.1
+//! server loop (`serve`).
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
@@ -93,7 +94,11 @@ pub fn sse_response(body: RespBody) -> Response<RespBody> {
     r
 }
 
-/// Reads a request body of at most `limit` bytes (413 beyond).
+/// How long a client may take to send a request body once its headers are in: a client that
+/// trickles its body holds a connection and a buffer, so it gets 408 instead.
+pub const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Reads a request body of at most `limit` bytes (413 beyond, 408 when it comes too slowly).
 pub async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, ApiError> {
     if let Some(len) = req
         .headers()
@@ -105,7 +110,17 @@ pub async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Ap
             return Err(ApiError::payload_too_large(limit));
         }
     }
-    match Limited::new(req.into_body(), limit).collect().await {
+    let read = tokio::time::timeout(
+        BODY_READ_TIMEOUT,
+        Limited::new(req.into_body(), limit).collect(),
+    );
+    let Ok(read) = read.await else {
+        return Err(ApiError::request_timeout(format!(
+            "The request body did not arrive within {} s.",
+            BODY_READ_TIMEOUT.as_secs()
+        )));
+    };
+    match read {
         Ok(c) => Ok(c.to_bytes()),
         Err(e)
             if e.downcast_ref::<http_body_util::LengthLimitError>()
@@ -120,17 +135,20 @@ pub async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Ap
     }
 }
 
+/// The token of an `Authorization: Bearer <token>` header. The scheme is matched without regard
+/// to case (RFC 7235: `bearer` and `BEARER` are the same scheme); surrounding spaces are dropped.
+pub fn bearer_token<B>(req: &Request<B>) -> Option<&str> {
+    let value = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim())
+        .filter(|t| !t.is_empty())
+}
+
 /// Whether the request carries `Authorization: Bearer <token>` (constant-time comparison).
 pub fn has_bearer<B>(req: &Request<B>, token: &str) -> bool {
-    let Some(got) = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-    else {
-        return false;
-    };
-    constant_time_eq(got.as_bytes(), token.as_bytes())
+    bearer_token(req).is_some_and(|got| constant_time_eq(got.as_bytes(), token.as_bytes()))
 }
 
 /// Compares two byte strings in time that depends only on their lengths.
@@ -146,48 +164,5 @@ pub fn header_str<'a, B>(req: &'a Request<B>, name: &str) -> Option<&'a str> {
     req.headers().get(name).and_then(|v| v.to_str().ok())
 }
 
-/// Serves HTTP/1.1 connections from `listener` with a fresh service per connection (from
-/// `make`), TCP_NODELAY on every socket, until `shutdown` completes; connections in flight then
-/// finish (streams included) before this returns.
-pub async fn serve<S>(
-    listener: tokio::net::TcpListener,
-    make: impl Fn() -> S,
-    shutdown: impl std::future::Future<Output = ()>,
-) -> std::io::Result<()>
-where
-    S: hyper::service::Service<
-            Request<Incoming>,
-            Response = Response<RespBody>,
-            Error = Infallible,
-        > + Send
-        + 'static,
-    S::Future: Send + 'static,
-{
-    let mut shutdown = std::pin::pin!(shutdown);
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let (stream, _) = match accepted {
-                    Ok(x) => x,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
-                        continue;
-                    }
-                };
-                let _ = stream.set_nodelay(true);
-                let conn = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), make());
-                let conn = graceful.watch(conn);
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(error = %e, "connection ended");
-                    }
-                });
-            }
-            () = &mut shutdown => break,
-        }
-    }
-    graceful.shutdown().await;
-    Ok(())
-}
+mod serve;
+pub use serve::{serve, serve_with, ServeLimits};

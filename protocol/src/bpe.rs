@@ -11,7 +11,7 @@
 //! - pre-tokenizer `ByteLevel { add_prefix_space: false, use_regex: true }`, alone or after
 //!   `Digits { individual_digits: true }`;
 //! - added tokens that are neither normalized nor stripped nor single-word (split out first,
-//!   leftmost-longest, as `tokenizers` does with its Aho-Corasick automaton).
+//!   leftmost-longest, as `tokenizers` does with its Aho-Corasick automaton: [`AddedTokens`]).
 //!
 //! [`BpeEncoder::from_json`] answers `None` for anything else, and callers keep `tokenizers`.
 //!
@@ -28,8 +28,16 @@
 //! 4. Each word's bytes start as one symbol each (GPT-2's byte-to-unicode map) and are merged by
 //!    rank, lowest first and leftmost on a tie, exactly as `tokenizers`' `Word::merge_all` does.
 //!
+//! [`BpeEncoder::encode_quoted_into`] also reads a quote char that turns a special token's
+//! spelling into plain text, the way prompts mark text that must not become control tokens
+//! (see `crate::prompt`), in the same single scan.
+//!
 //! Words of up to [`MAX_CACHED_WORD`] bytes are cached per thread (the gateway encodes from many
 //! tasks; a thread-local cache needs no lock).
+
+mod added;
+
+pub use added::{AddedMatch, AddedTokens, Stops};
 
 use std::cell::RefCell;
 use std::collections::{BinaryHeap, HashMap};
@@ -63,10 +71,9 @@ pub struct BpeEncoder {
     byte_ids: [u32; 256],
     /// (left id, right id) -> (rank, merged id).
     merges: HashMap<u64, (u32, u32), FastHash>,
-    /// Added tokens by first byte, longest first.
-    added: Vec<Vec<(Box<[u8]>, u32)>>,
-    /// Whether a byte starts some added token.
-    added_first: [bool; 256],
+    added: AddedTokens,
+    /// The added tokens' first bytes.
+    stops: Stops,
     /// `Digits { individual_digits: true }` runs first.
     split_digits: bool,
     classes: &'static CharClasses,
@@ -76,10 +83,7 @@ impl std::fmt::Debug for BpeEncoder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BpeEncoder")
             .field("merges", &self.merges.len())
-            .field(
-                "added_tokens",
-                &self.added.iter().map(Vec::len).sum::<usize>(),
-            )
+            .field("added_tokens", &self.added)
             .field("split_digits", &self.split_digits)
             .finish()
     }
@@ -187,8 +191,7 @@ impl BpeEncoder {
             merges.insert(pair(ia, ib), (u32::try_from(rank).ok()?, merged));
         }
 
-        let mut added: Vec<Vec<(Box<[u8]>, u32)>> = vec![Vec::new(); 256];
-        let mut added_first = [false; 256];
+        let mut tokens = Vec::new();
         for t in json.get("added_tokens")?.as_array()? {
             let flag = |k: &str| t.get(k).and_then(|v| v.as_bool());
             if flag("single_word") != Some(false)
@@ -199,28 +202,22 @@ impl BpeEncoder {
                 return None;
             }
             let content = t.get("content")?.as_str()?;
-            let id = u32::try_from(t.get("id")?.as_u64()?).ok()?;
-            let first = *content.as_bytes().first()?;
-            added_first[first as usize] = true;
-            let list = &mut added[first as usize];
-            if let Some(e) = list.iter_mut().find(|(c, _)| &**c == content.as_bytes()) {
-                // `tokenizers` keeps one id per content: the last one registered.
-                e.1 = id;
-            } else {
-                list.push((content.as_bytes().into(), id));
+            if content.is_empty() {
+                return None;
             }
+            let id = u32::try_from(t.get("id")?.as_u64()?).ok()?;
+            // `tokenizers` reads a missing flag as false.
+            tokens.push((content, id, flag("special") == Some(true)));
         }
-        for list in &mut added {
-            list.sort_by_key(|t| std::cmp::Reverse(t.0.len()));
-        }
+        let added = AddedTokens::new(tokens);
 
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Some(BpeEncoder {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             byte_ids,
             merges,
+            stops: added.stops(),
             added,
-            added_first,
             split_digits,
             classes: CharClasses::get()?,
         })
@@ -235,32 +232,86 @@ impl BpeEncoder {
 
     /// Appends the token ids of `text` to `out`.
     pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
+        self.scan(text, None, out);
+    }
+
+    /// The added tokens, as this encoder splits them out.
+    pub fn added_tokens(&self) -> &AddedTokens {
+        &self.added
+    }
+
+    /// Appends the token ids of `text`, in which `quote` marks literal text: followed by a
+    /// special token's spelling, the quote makes that spelling plain text, encoded with the text
+    /// around it as `tokenizers` encodes a special token's spelling under `split_special_tokens`;
+    /// doubled, it stands for itself once. Any other quote is an ordinary char. The quotes are
+    /// read in the same scan that splits out the added tokens, so plain text costs no more.
+    pub fn encode_quoted_into(&self, text: &str, quote: char, out: &mut Vec<u32>) {
+        let mut buf = [0; 4];
+        self.scan(text, Some(quote.encode_utf8(&mut buf).as_bytes()), out);
+    }
+
+    /// Token ids of `text`, read as [`BpeEncoder::encode_quoted_into`] reads it.
+    pub fn encode_quoted(&self, text: &str, quote: char) -> Vec<u32> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 4);
+        self.encode_quoted_into(text, quote, &mut out);
+        out
+    }
+
+    /// Splits out the added tokens, and with `quote` the quoted spellings, encoding the text
+    /// between them as plain text.
+    fn scan(&self, text: &str, quote: Option<&[u8]>, out: &mut Vec<u32>) {
+        let stops = match quote {
+            Some(q) => self.stops.with(q[0]),
+            None => self.stops,
+        };
         with_cache(self.id, |cache| {
             let bytes = text.as_bytes();
+            // Plain text taken out of quotes, to be encoded with the text that follows it;
+            // it allocates only when a quote is met.
+            let mut plain = String::new();
             let mut start = 0;
-            let mut i = 0;
+            let mut i = stops.next(bytes, 0);
             while i < bytes.len() {
-                if self.added_first[bytes[i] as usize] {
-                    if let Some((len, id)) = self.added_at(&bytes[i..]) {
-                        self.segment(&text[start..i], out, cache);
-                        out.push(id);
-                        i += len;
-                        start = i;
-                        continue;
+                if let Some(q) = quote.filter(|q| bytes[i..].starts_with(q)) {
+                    let at = i + q.len();
+                    let len = if bytes[at..].starts_with(q) {
+                        q.len()
+                    } else {
+                        match self.added.at(&bytes[at..]) {
+                            Some(m) if m.special => m.len,
+                            _ => 0,
+                        }
+                    };
+                    if len > 0 {
+                        plain.push_str(&text[start..i]);
+                        plain.push_str(&text[at..at + len]);
+                        start = at + len;
                     }
+                    i = stops.next(bytes, at + len);
+                    continue;
                 }
-                i += 1;
+                if let Some(m) = self.added.at(&bytes[i..]) {
+                    self.plain(&mut plain, &text[start..i], out, cache);
+                    out.push(m.id);
+                    start = i + m.len;
+                    i = stops.next(bytes, start);
+                    continue;
+                }
+                i = stops.next(bytes, i + 1);
             }
-            self.segment(&text[start..], out, cache);
+            self.plain(&mut plain, &text[start..], out, cache);
         });
     }
 
-    /// The longest added token at the start of `bytes`.
-    fn added_at(&self, bytes: &[u8]) -> Option<(usize, u32)> {
-        self.added[bytes[0] as usize]
-            .iter()
-            .find(|(t, _)| bytes.starts_with(t))
-            .map(|(t, id)| (t.len(), *id))
+    /// Encodes the plain text gathered from quotes followed by `rest`.
+    fn plain(&self, gathered: &mut String, rest: &str, out: &mut Vec<u32>, cache: &mut WordCache) {
+        if gathered.is_empty() {
+            self.segment(rest, out, cache);
+        } else {
+            gathered.push_str(rest);
+            self.segment(gathered, out, cache);
+            gathered.clear();
+        }
     }
 
     /// Class of the char at byte `i` of `s`, and its length.
@@ -707,6 +758,39 @@ mod tests {
         assert_eq!(t.encode(""), Vec::<u32>::new());
         // Two spaces before a letter: the first alone, the second joins the letter.
         assert_eq!(t.encode("  a"), vec![byte(b' '), 302]);
+    }
+
+    #[test]
+    fn quoted_special_tokens_are_plain_text() {
+        let t = toy();
+        let byte = |b: u8| b as u32 + 1;
+        let q = '\u{fdd0}';
+        let q_ids: Vec<u32> = "\u{fdd0}".bytes().map(byte).collect();
+        // Quoted, `<s>` is three chars of text; unquoted, the control token.
+        assert_eq!(
+            t.encode_quoted("\u{fdd0}<s>ab<s>", q),
+            [byte(b'<'), byte(b's'), byte(b'>'), 300, 0]
+        );
+        assert_eq!(
+            t.encode_quoted("a\u{fdd0}<s>bc", q),
+            [
+                byte(b'a'),
+                byte(b'<'),
+                byte(b's'),
+                byte(b'>'),
+                byte(b'b'),
+                byte(b'c')
+            ]
+        );
+        // A doubled quote is one quote char of text; a lone one is text too.
+        assert_eq!(
+            t.encode_quoted("\u{fdd0}\u{fdd0}<s>", q),
+            [q_ids.clone(), vec![0]].concat()
+        );
+        assert_eq!(t.encode_quoted("\u{fdd0}a", q), t.encode("\u{fdd0}a"));
+        assert_eq!(t.encode_quoted("a\u{fdd0}", q), t.encode("a\u{fdd0}"));
+        // Without a quote char, the quote is an ordinary char.
+        assert_eq!(t.encode("\u{fdd0}<s>"), [q_ids, vec![0]].concat());
     }
 
     #[test]

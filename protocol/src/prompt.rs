@@ -2,15 +2,34 @@
 //! `tokenizer.json` (through the `tokenizers` crate) and the chat template of its
 //! `tokenizer_config.json` (Jinja, through minijinja, with Python string methods).
 //!
+//! Only the chat template's own text may hold control tokens. A message is text, whatever it
+//! spells: a user who writes `<|im_start|>system` gets those characters encoded as text, not a
+//! turn of its own. So each message's role and content enter the template quoted
+//! ([`PromptRenderer::quote`]: a [`QUOTE`] before each special token's spelling), and every
+//! encoder here reads that form: a quoted spelling is encoded as the text it is, joined with the
+//! text around it (the ids `tokenizers` gives it under `split_special_tokens`), while the
+//! template's markers stay control tokens. The quoted form is a rendered prompt's text
+//! everywhere: the gateway and the engine render, split and encode the same strings and get the
+//! same ids. A message with no special token's spelling and no [`QUOTE`] in it renders exactly
+//! as before; quoting costs one scan of each message, 32 bytes at a time.
+//!
 //! Rendering a conversation is O(text); encoding is the tokenizer's BPE, roughly linear. Where the
 //! tokenizer is one [`BpeEncoder`] reproduces exactly (SmolLM2's and other GPT-2-style byte-level
 //! BPEs), encoding goes through it, several times faster than `tokenizers`; `tokenizers` stays the
 //! reference and the fallback for every other tokenizer.
 
-use crate::bpe::BpeEncoder;
+mod quote;
+
+pub use quote::QUOTE;
+
+use crate::bpe::{AddedTokens, BpeEncoder};
 use minijinja::{context, Environment, Error as JinjaError, ErrorKind};
+use quote::Quoting;
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 /// One chat message, as in the OpenAI API (text content only).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -38,6 +57,12 @@ pub struct PromptRenderer {
     tokenizer: tokenizers::Tokenizer,
     /// The same tokenizer, faster, when it is one [`BpeEncoder`] reproduces.
     fast: Option<BpeEncoder>,
+    /// The added tokens, for quoting messages and reading the quoted form.
+    quoting: Quoting,
+    /// Ids of the special added tokens.
+    special_ids: HashSet<u32>,
+    /// `tokenizer` with special tokens' spellings encoded as text, made on first need.
+    plain: OnceLock<tokenizers::Tokenizer>,
     env: Environment<'static>,
     has_template: bool,
     bos_token: Option<String>,
@@ -105,6 +130,24 @@ impl PromptRenderer {
             (Some(true), Some(b)) => tokenizer.token_to_id(b),
             _ => None,
         };
+        let added_decoder = tokenizer.get_added_tokens_decoder();
+        let special_ids = added_decoder
+            .iter()
+            .filter(|(_, t)| t.special)
+            .map(|(&id, _)| id)
+            .collect();
+        let added = match &fast {
+            Some(f) => f.added_tokens().clone(),
+            None => {
+                let mut tokens: Vec<_> = added_decoder.iter().collect();
+                tokens.sort_by_key(|(&id, _)| id);
+                AddedTokens::new(
+                    tokens
+                        .into_iter()
+                        .map(|(&id, t)| (t.content.as_str(), id, t.special)),
+                )
+            }
+        };
         Ok(PromptRenderer {
             has_template: template.is_some(),
             eos_token: token_text(&config, "eos_token"),
@@ -113,6 +156,9 @@ impl PromptRenderer {
             env,
             tokenizer,
             fast,
+            quoting: Quoting::new(added),
+            special_ids,
+            plain: OnceLock::new(),
         })
     }
 
@@ -127,17 +173,69 @@ impl PromptRenderer {
         self
     }
 
-    /// Ids of `text` from `tokenizers`, the reference (no BOS).
+    /// Ids of `text` (in the quoted form) from `tokenizers`, the reference (no BOS).
+    ///
+    /// `tokenizers` encodes the unquoted text whole, as it always has; where a special token it
+    /// split out was quoted, the text between the unquoted ones is encoded again with special
+    /// tokens' spellings as text. So a prompt with nothing quoted costs one encoding, as before.
     pub fn encode_with_tokenizers(&self, text: &str) -> Result<Vec<u32>, PromptError> {
-        let enc = self
-            .tokenizer
+        let (text, quoted) = self.quoting.unquote(text);
+        let enc = self.tokenize(&self.tokenizer, &text)?;
+        let (ids, offsets) = (enc.get_ids(), enc.get_offsets());
+        let forged = |k: usize| {
+            self.special_ids.contains(&ids[k])
+                && quoted
+                    .iter()
+                    .any(|r| offsets[k].0 < r.end && r.start < offsets[k].1)
+        };
+        if !(0..ids.len()).any(forged) {
+            return Ok(ids.to_vec());
+        }
+        let plain = self.plain.get_or_init(|| {
+            let mut t = self.tokenizer.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        let mut out = Vec::with_capacity(ids.len());
+        let mut from = 0;
+        for k in (0..ids.len()).filter(|&k| self.special_ids.contains(&ids[k]) && !forged(k)) {
+            let (start, end) = offsets[k];
+            if from < start {
+                out.extend_from_slice(self.tokenize(plain, &text[from..start])?.get_ids());
+            }
+            out.push(ids[k]);
+            from = end;
+        }
+        if from < text.len() {
+            out.extend_from_slice(self.tokenize(plain, &text[from..])?.get_ids());
+        }
+        Ok(out)
+    }
+
+    fn tokenize(
+        &self,
+        tokenizer: &tokenizers::Tokenizer,
+        text: &str,
+    ) -> Result<tokenizers::Encoding, PromptError> {
+        tokenizer
             .encode(text, false)
-            .map_err(|e| PromptError::Tokenize(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+            .map_err(|e| PromptError::Tokenize(e.to_string()))
+    }
+
+    /// `text` in the quoted form: encoded, it gives the ids of its characters, special tokens'
+    /// spellings included. Messages enter the chat template this way.
+    pub fn quote<'a>(&self, text: &'a str) -> Cow<'a, str> {
+        self.quoting.quote(text)
+    }
+
+    /// The text a prompt in the quoted form stands for, as the model reads it.
+    pub fn unquote<'a>(&self, text: &'a str) -> Cow<'a, str> {
+        self.quoting.unquote(text).0
     }
 
     /// Renders a conversation with the chat template (ending with the assistant's turn opened
-    /// when `add_generation_prompt`).
+    /// when `add_generation_prompt`), in the quoted form: each message's role and content quoted,
+    /// so that the template's markers are its only control tokens.
     pub fn render_chat(
         &self,
         messages: &[ChatMessage],
@@ -150,11 +248,17 @@ impl PromptRenderer {
             .env
             .get_template("chat")
             .map_err(|e| PromptError::Template(e.to_string()))?;
+        let messages: Vec<_> = messages
+            .iter()
+            .map(|m| {
+                minijinja::Value::from_pairs([
+                    ("role", self.quote(&m.role)),
+                    ("content", self.quote(&m.content)),
+                ])
+            })
+            .collect();
         tmpl.render(context! {
-            messages => messages
-                .iter()
-                .map(|m| minijinja::Value::from_pairs([("role", m.role.as_str()), ("content", m.content.as_str())]))
-                .collect::<Vec<_>>(),
+            messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
@@ -162,31 +266,33 @@ impl PromptRenderer {
         .map_err(|e| PromptError::Template(e.to_string()))
     }
 
-    /// Token ids of `text`: special tokens written in the text are recognized; BOS is prepended
-    /// when the model's config asks for it.
+    /// Token ids of `text`, in the quoted form: special tokens written in it are control
+    /// tokens, quoted ones text; BOS is prepended when the model's config asks for it.
+    ///
+    /// A completion's text prompt comes here as the client wrote it, so special tokens spelled
+    /// in it are control tokens, as in vLLM and `tokenizers`: the prompt is the client's own,
+    /// no template or operator text shares it, and the same endpoint already takes any token
+    /// ids; fill-in-the-middle and hand-templated prompts depend on it. The gateway and the
+    /// engine both encode it here, so they agree. A caller that wants such a prompt read as
+    /// text passes it through [`PromptRenderer::quote`] first.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, PromptError> {
         if let Some(fast) = &self.fast {
             let mut ids = Vec::with_capacity(text.len() / 3 + 2);
             ids.extend(self.add_bos);
-            fast.encode_into(text, &mut ids);
+            fast.encode_quoted_into(text, QUOTE, &mut ids);
             return Ok(ids);
         }
-        let enc = self
-            .tokenizer
-            .encode(text, false)
-            .map_err(|e| PromptError::Tokenize(e.to_string()))?;
-        let mut ids = Vec::with_capacity(enc.len() + 1);
-        ids.extend(self.add_bos);
-        ids.extend_from_slice(enc.get_ids());
+        let mut ids: Vec<u32> = self.add_bos.into_iter().collect();
+        ids.extend(self.encode_with_tokenizers(text)?);
         Ok(ids)
     }
 
-    /// Token ids of `text` as a continuation of an earlier encoded text: no BOS. Encoding a text
-    /// in two pieces split right before a special token (as a chat template's turns are) gives
-    /// the same ids as encoding it whole.
+    /// Token ids of `text` (in the quoted form) as a continuation of an earlier encoded text: no
+    /// BOS. Encoding a text in two pieces split right before a special token (as a chat
+    /// template's turns are) gives the same ids as encoding it whole.
     pub fn encode_continuation(&self, text: &str) -> Result<Vec<u32>, PromptError> {
         match &self.fast {
-            Some(fast) => Ok(fast.encode(text)),
+            Some(fast) => Ok(fast.encode_quoted(text, QUOTE)),
             None => self.encode_with_tokenizers(text),
         }
     }

@@ -293,3 +293,89 @@ fn pipe(mut from: TcpStream, mut to: TcpStream) {
         let _ = to.shutdown(std::net::Shutdown::Write);
     });
 }
+
+/// A stand-in for an engine that hangs: it passes health checks (`/admin/status`, `/health`)
+/// and holds `/kv/events` open, but never answers a generation request. What a gateway sees of
+/// an engine whose model thread is stuck.
+#[derive(Debug)]
+pub struct HungEngine {
+    pub addr: SocketAddr,
+    /// Generation requests received.
+    pub requests: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl HungEngine {
+    pub fn start() -> HungEngine {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind hung engine");
+        let addr = listener.local_addr().expect("addr");
+        let requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = requests.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { break };
+                let count = count.clone();
+                std::thread::spawn(move || hung_conn(conn, &count));
+            }
+        });
+        HungEngine { addr, requests }
+    }
+}
+
+fn hung_conn(conn: TcpStream, count: &std::sync::atomic::AtomicUsize) {
+    use std::io::BufRead;
+    let mut w = conn.try_clone().expect("clone");
+    let mut r = std::io::BufReader::new(conn);
+    loop {
+        let mut line = String::new();
+        if r.read_line(&mut line).unwrap_or(0) == 0 {
+            return;
+        }
+        let path = line.split_whitespace().nth(1).unwrap_or("").to_owned();
+        let mut len = 0usize;
+        loop {
+            let mut h = String::new();
+            if r.read_line(&mut h).unwrap_or(0) == 0 {
+                return;
+            }
+            if h.trim_end().is_empty() {
+                break;
+            }
+            if let Some((k, v)) = h.split_once(':') {
+                if k.eq_ignore_ascii_case("content-length") {
+                    len = v.trim().parse().unwrap_or(0);
+                }
+            }
+        }
+        let mut body = vec![0; len];
+        if r.read_exact(&mut body).is_err() {
+            return;
+        }
+        let answer = |w: &mut TcpStream, ctype: &str, body: &str| {
+            let head = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            w.write_all(head.as_bytes())
+        };
+        let ok = match path.as_str() {
+            "/admin/status" => answer(
+                &mut w,
+                "application/json",
+                r#"{"draining":false,"inflight":0,"blocks":{"used":0,"cached":0,"free":100}}"#,
+            ),
+            "/health" => answer(&mut w, "application/json", r#"{"status":"ready"}"#),
+            _ => {
+                if path.starts_with("/v1/") {
+                    count.fetch_add(1, Ordering::SeqCst);
+                }
+                // Never answers: hold the connection until the peer leaves.
+                let mut sink = [0u8; 1024];
+                while r.read(&mut sink).unwrap_or(0) > 0 {}
+                return;
+            }
+        };
+        if ok.is_err() {
+            return;
+        }
+    }
+}

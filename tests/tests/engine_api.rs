@@ -8,32 +8,29 @@ const PARIS: &str = "The capital of France is Paris.";
 
 #[test]
 fn chat_answers_golden_and_reuses_the_prefix_only_within_a_scope() {
-    let e = Engine::start("");
-    let first = e.chat("What is the capital of France?", "");
-    assert_eq!(first.status, 200, "{}", first.body);
-    let j = first.json();
+    // Scopes come from the gateway, which proves itself with the engine token.
+    let e = Engine::start("[auth]\nengine_token = \"gw-secret\"");
+    let body = format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"What is the capital of France?"}}],"temperature":0}}"#
+    );
+    let ask = |tenancy: &[(&str, &str)]| {
+        let mut headers = vec![("authorization", "Bearer gw-secret")];
+        headers.extend_from_slice(tenancy);
+        let r = request(e.addr, "POST", "/v1/chat/completions", &headers, &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()
+    };
+    let j = ask(&[]);
     assert_eq!(j["choices"][0]["message"]["content"], PARIS);
     assert_eq!(j["choices"][0]["finish_reason"], "stop");
     assert_eq!(j["usage"]["prompt_tokens"], 37);
     assert_eq!(j["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     // Same prompt, same scope: the two full blocks of the 37-token prompt are hits.
-    let again = e.chat("What is the capital of France?", "").json();
+    let again = ask(&[]);
     assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 32);
     assert_eq!(again["choices"][0]["message"]["content"], PARIS);
     // Another scope shares nothing, and then has its own cache.
-    let body = format!(
-        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"What is the capital of France?"}}],"temperature":0}}"#
-    );
-    let other = |scope: &str| {
-        request(
-            e.addr,
-            "POST",
-            "/v1/chat/completions",
-            &[("x-kvgate-tenant", "t2"), ("x-kvgate-scope", scope)],
-            &body,
-        )
-        .json()
-    };
+    let other = |scope: &str| ask(&[("x-kvgate-tenant", "t2"), ("x-kvgate-scope", scope)]);
     assert_eq!(
         other("scope-b")["usage"]["prompt_tokens_details"]["cached_tokens"],
         0

@@ -30,8 +30,9 @@ fn adm<'a>(tenant: &'a str, limits: RateLimits, id: &'a str) -> Admission<'a> {
     Admission {
         tenant,
         limits,
-        request_id: id,
+        lease: id,
         lease_ms: 30_000,
+        tokens: 0,
     }
 }
 
@@ -207,8 +208,9 @@ async fn concurrency_release_and_lease_expiry() {
     let lease = |id, lease_ms| Admission {
         tenant: "acme",
         limits: l,
-        request_id: id,
+        lease: id,
         lease_ms,
+        tokens: 0,
     };
     assert_eq!(s.admit(lease("a", 30_000)).await.unwrap(), Ok(()));
     assert_eq!(s.admit(lease("b", 200)).await.unwrap(), Ok(()));
@@ -225,6 +227,52 @@ async fn concurrency_release_and_lease_expiry() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(s.admit(lease("d", 30_000)).await.unwrap(), Ok(()));
     s.release("acme", l, "nope", 0).await.unwrap();
+}
+
+#[tokio::test]
+async fn prompt_tokens_are_charged_on_admission() {
+    let server = RedisServer::start();
+    let s = migrated(&server).await;
+    let l = limits(None, Some(1000), None);
+    // 1500 prompt tokens at 1000/min: charged at once, so the next request waits though the
+    // first was never released.
+    let first = Admission {
+        tokens: 1500,
+        ..adm("acme", l, "1")
+    };
+    assert_eq!(s.admit(first).await.unwrap(), Ok(()));
+    let r = s.admit(adm("acme", l, "2")).await.unwrap().unwrap_err();
+    assert!(matches!(r, Refusal::Tokens { .. }), "{r:?}");
+    // A refused admission charges nothing.
+    let l2 = limits(Some(1), Some(1000), None);
+    assert_eq!(s.admit(adm("beta", l2, "1")).await.unwrap(), Ok(()));
+    let refused = Admission {
+        tokens: 5000,
+        ..adm("beta", l2, "2")
+    };
+    assert!(s.admit(refused).await.unwrap().is_err());
+    let r = s.admit(adm("beta", l2, "3")).await.unwrap().unwrap_err();
+    assert!(matches!(r, Refusal::Requests { .. }), "{r:?}");
+}
+
+#[tokio::test]
+async fn a_renewed_lease_outlives_its_first_term() {
+    let server = RedisServer::start();
+    let s = migrated(&server).await;
+    let l = limits(None, None, Some(1));
+    let short = Admission {
+        lease_ms: 300,
+        ..adm("acme", l, "a")
+    };
+    assert_eq!(s.admit(short).await.unwrap(), Ok(()));
+    s.renew("acme", "a", 30_000).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Still held past its first term.
+    assert!(s.admit(adm("acme", l, "b")).await.unwrap().is_err());
+    s.release("acme", l, "a", 0).await.unwrap();
+    // A released lease is not brought back by a late renewal.
+    s.renew("acme", "a", 30_000).await.unwrap();
+    assert_eq!(s.admit(adm("acme", l, "b")).await.unwrap(), Ok(()));
 }
 
 #[tokio::test]

@@ -1,6 +1,7 @@
 //! A full consistency check of the block manager, for tests (O(blocks + table entries)).
 
 use super::manager::KvCacheManager;
+use super::{BlockId, TenantId};
 use std::collections::HashMap;
 
 impl KvCacheManager {
@@ -11,11 +12,14 @@ impl KvCacheManager {
     /// - a block is in the free list exactly when its ref count is 0, and the counts agree;
     /// - the prefix index and the blocks' hashes agree both ways;
     /// - each table has one block per started `block_size` tokens, every block but the last full;
-    /// - per-scope usage and the filled-slot total match a recount.
+    /// - per-scope usage and the filled-slot total match a recount;
+    /// - each block's holding tenants and their references, and each tenant's block count, match
+    ///   the tables of that tenant's sequences.
     pub fn check_invariants(&self) -> Result<(), String> {
         let b = self.block_size;
         let mut refs = vec![0u32; self.pool.num_blocks()];
         let mut host_refs = vec![0u32; self.host.num_blocks()];
+        let mut holds: HashMap<(BlockId, TenantId), u32> = HashMap::new();
         for (seq, state) in &self.seqs {
             let n = state.table.num_tokens();
             if let Some(host) = &state.host {
@@ -31,6 +35,9 @@ impl KvCacheManager {
             }
             for (i, id) in blocks.iter().enumerate() {
                 refs[id.0 as usize] += 1;
+                if let Some(t) = state.tenant {
+                    *holds.entry((*id, t)).or_default() += 1;
+                }
                 let want = if i + 1 == blocks.len() { n - i * b } else { b };
                 let filled = self.pool.meta(*id).filled as usize;
                 if filled != want {
@@ -90,6 +97,31 @@ impl KvCacheManager {
             let got = self.pool.used_by_scope(super::ScopeId(i as u32));
             if want != got {
                 return Err(format!("scope {i}: {got} blocks counted, {want} in use"));
+            }
+        }
+        let mut by_block: HashMap<BlockId, Vec<(TenantId, u32)>> = HashMap::new();
+        for ((id, t), n) in holds {
+            by_block.entry(id).or_default().push((t, n));
+        }
+        let mut per_tenant: HashMap<TenantId, u32> = HashMap::new();
+        for id in self.pool.ids() {
+            let mut got = self.pool.holders(id).to_vec();
+            got.sort_unstable();
+            let mut want = by_block.remove(&id).unwrap_or_default();
+            want.sort_unstable();
+            if got != want {
+                return Err(format!("{id:?}: holders {got:?}, tables say {want:?}"));
+            }
+            for (t, _) in want {
+                *per_tenant.entry(t).or_default() += 1;
+            }
+        }
+        let tenants = per_tenant.keys().map(|t| t.0 + 1).max().unwrap_or(0);
+        for t in (0..tenants.max(self.quotas.len() as u32)).map(TenantId) {
+            let want = per_tenant.get(&t).copied().unwrap_or(0);
+            let got = self.pool.used_by_tenant(t);
+            if want != got {
+                return Err(format!("{t:?}: {got} blocks counted, {want} held"));
             }
         }
         for (i, want) in host_refs.iter().enumerate() {

@@ -10,6 +10,9 @@
 //! pass writes every new K/V row of a step (per layer, before attention), so a request that hits
 //! such a block in the same step reads it after it is written.
 //!
+//! KV quotas are per tenant: a sequence started from a prompt [`for_tenant`](HashedPrompt::for_tenant)
+//! counts against its tenant's quota, whatever scope it caches in.
+//!
 //! Every operation that can fail checks first and then acts: an error leaves no trace.
 //! Costs: `start_sequence` O(hit blocks); `append_slots` O(new tokens), plus one hash per block
 //! that fills with tokens not hashed at admission; `free` O(blocks).
@@ -21,13 +24,15 @@ use super::prefix_index::PrefixIndex;
 use super::types::{
     AppendOutcome, HashedPrompt, KvConfig, KvCounters, KvError, KvUsage, PromptAllocation,
 };
-use super::{BlockId, BlockTable, HostBlockId, ScopeId, SeqId};
+use super::{BlockId, BlockTable, HostBlockId, ScopeId, SeqId, TenantId};
 use kvgate_protocol::{BlockHash, BlockHasher, Chain, KvEventRecord};
 use std::collections::HashMap;
 
 #[derive(Debug, Clone)]
 pub(super) struct SeqState {
     pub(super) scope: ScopeId,
+    /// The tenant charged for the sequence's blocks.
+    pub(super) tenant: Option<TenantId>,
     /// Device blocks; empty while swapped out.
     pub(super) table: BlockTable,
     /// Host blocks while swapped out.
@@ -61,6 +66,7 @@ pub struct KvCacheManager {
     /// Each scope's start chain, computed once.
     pub(super) scope_chains: Vec<Chain>,
     pub(super) scope_ids: HashMap<String, ScopeId>,
+    /// Block quota per tenant, by id.
     pub(super) quotas: Vec<Option<u32>>,
     pub(super) events: EventLog,
     pub(super) counters: KvCounters,
@@ -97,7 +103,6 @@ impl KvCacheManager {
         let id = ScopeId(self.scopes.len() as u32);
         self.scopes.push(name.to_owned());
         self.scope_chains.push(self.hasher.start(name));
-        self.quotas.push(None);
         self.scope_ids.insert(name.to_owned(), id);
         id
     }
@@ -106,9 +111,26 @@ impl KvCacheManager {
         &self.scopes[scope.0 as usize]
     }
 
-    /// Caps the blocks `scope`'s sequences may hold at once (`None`: no cap).
-    pub fn set_quota(&mut self, scope: ScopeId, quota: Option<u32>) {
-        self.quotas[scope.0 as usize] = quota;
+    /// Caps the blocks `tenant`'s sequences may hold at once (`None`: no cap). Sequences already
+    /// over a lowered cap keep their blocks; they can only grow once back under it.
+    pub fn set_quota(&mut self, tenant: TenantId, quota: Option<u32>) {
+        let i = tenant.0 as usize;
+        if i >= self.quotas.len() {
+            if quota.is_none() {
+                return;
+            }
+            self.quotas.resize(i + 1, None);
+        }
+        self.quotas[i] = quota;
+    }
+
+    pub fn quota(&self, tenant: TenantId) -> Option<u32> {
+        self.quotas.get(tenant.0 as usize).copied().flatten()
+    }
+
+    /// Blocks held by `tenant`'s sequences, each counted once.
+    pub fn tenant_usage(&self, tenant: TenantId) -> u32 {
+        self.pool.used_by_tenant(tenant)
     }
 
     /// Blocks held by `scope`'s sequences.
@@ -123,6 +145,7 @@ impl KvCacheManager {
             .extend(self.scope_chains[scope.0 as usize], tokens);
         HashedPrompt {
             scope,
+            tenant: None,
             hashes,
             chain,
             num_tokens: tokens.len(),
@@ -147,6 +170,20 @@ impl KvCacheManager {
         prompt.num_tokens.div_ceil(self.block_size) - hits.len() + revived
     }
 
+    /// Blocks that admitting `prompt` whole adds to its tenant's count: every block but the hits
+    /// the tenant already holds (0 for a prompt without a tenant).
+    pub fn blocks_charged_for_prompt(&self, prompt: &HashedPrompt) -> usize {
+        let Some(t) = prompt.tenant else {
+            return 0;
+        };
+        let held = self
+            .cached_prefix(prompt)
+            .iter()
+            .filter(|b| self.pool.is_held_by(**b, t))
+            .count();
+        prompt.num_tokens.div_ceil(self.block_size) - held
+    }
+
     /// Starts `seq` with the longest cached prefix of `prompt`: those blocks are touched (ref+1)
     /// and their tokens need no computation. Returns the cached token count.
     pub fn start_sequence(&mut self, seq: SeqId, prompt: &HashedPrompt) -> Result<usize, KvError> {
@@ -157,14 +194,16 @@ impl KvCacheManager {
             return Err(KvError::DuplicateSequence(seq));
         }
         let hits = self.cached_prefix(prompt);
-        let revived = hits
-            .iter()
-            .filter(|b| self.pool.meta(**b).ref_count == 0)
-            .count();
-        self.check_quota(prompt.scope, revived)?;
+        // Hits held only by other tenants (or by nobody) are new to this one.
+        let new_to_tenant = prompt.tenant.map_or(0, |t| {
+            hits.iter()
+                .filter(|b| !self.pool.is_held_by(**b, t))
+                .count()
+        });
+        self.check_quota(prompt.tenant, new_to_tenant)?;
         let mut table = BlockTable::new();
         for &b in &hits {
-            self.pool.touch(b);
+            self.pool.touch(b, prompt.tenant);
             table.push(b);
         }
         let cached = hits.len() * self.block_size;
@@ -175,6 +214,7 @@ impl KvCacheManager {
             seq,
             SeqState {
                 scope: prompt.scope,
+                tenant: prompt.tenant,
                 table,
                 host: None,
                 hashes: prompt.hashes.clone(),
@@ -200,7 +240,7 @@ impl KvCacheManager {
                 free: self.pool.num_free(),
             });
         }
-        self.check_quota(prompt.scope, needed)?;
+        self.check_quota(prompt.tenant, self.blocks_charged_for_prompt(prompt))?;
         let cached_tokens = self.start_sequence(seq, prompt)?;
         self.append_slots(seq, &tokens[cached_tokens..])?;
         Ok(PromptAllocation { cached_tokens })
@@ -244,10 +284,6 @@ impl KvCacheManager {
         self.pool.num_free()
     }
 
-    pub fn quota(&self, scope: ScopeId) -> Option<u32> {
-        self.quotas[scope.0 as usize]
-    }
-
     /// (blocks to allocate, copy-on-write needed) for appending `n` tokens.
     fn append_need(&self, state: &SeqState, n: usize) -> (usize, bool) {
         let b = self.block_size;
@@ -282,8 +318,8 @@ impl KvCacheManager {
                 free: self.pool.num_free(),
             });
         }
-        let scope = state.scope;
-        self.check_quota(scope, needed)?;
+        let (scope, tenant) = (state.scope, state.tenant);
+        self.check_quota(tenant, needed)?;
         let mut state = self
             .seqs
             .remove(&seq)
@@ -300,7 +336,7 @@ impl KvCacheManager {
         // one run of events instead of alternating.
         let fresh = needed - usize::from(cow.is_some());
         for _ in 0..fresh {
-            let id = self.allocate_block(scope);
+            let id = self.allocate_block(scope, tenant);
             state.table.push(id);
         }
         let mut rest = tokens;
@@ -326,10 +362,10 @@ impl KvCacheManager {
     fn copy_on_write(&mut self, state: &mut SeqState) -> (BlockId, BlockId) {
         let logical = state.table.blocks().len() - 1;
         let src = state.table.blocks()[logical];
-        let dst = self.allocate_block(state.scope);
+        let dst = self.allocate_block(state.scope, state.tenant);
         let filled = self.pool.meta(src).filled;
         self.pool.set_filled(dst, filled);
-        self.pool.release(src);
+        self.pool.release(src, state.tenant);
         state.table.set(logical, dst);
         self.counters.cow_copies += 1;
         (src, dst)
@@ -337,8 +373,8 @@ impl KvCacheManager {
 
     /// Takes a free block, evicting the cached prefix it held, if any. The caller checked that a
     /// free block exists.
-    pub(super) fn allocate_block(&mut self, scope: ScopeId) -> BlockId {
-        let Some((id, evicted)) = self.pool.allocate(scope) else {
+    pub(super) fn allocate_block(&mut self, scope: ScopeId, tenant: Option<TenantId>) -> BlockId {
+        let Some((id, evicted)) = self.pool.allocate(scope, tenant) else {
             unreachable!("free blocks were counted before allocating");
         };
         if let Some(hash) = evicted {
@@ -368,14 +404,14 @@ impl KvCacheManager {
         }
     }
 
-    fn check_quota(&self, scope: ScopeId, needed: usize) -> Result<(), KvError> {
-        let Some(quota) = self.quotas[scope.0 as usize] else {
+    fn check_quota(&self, tenant: Option<TenantId>, needed: usize) -> Result<(), KvError> {
+        let Some((tenant, quota)) = tenant.and_then(|t| Some((t, self.quota(t)?))) else {
             return Ok(());
         };
-        let used = self.pool.used_by_scope(scope);
+        let used = self.pool.used_by_tenant(tenant);
         if used as usize + needed > quota as usize {
             return Err(KvError::QuotaExceeded {
-                scope: self.scope_name(scope).to_owned(),
+                tenant,
                 used,
                 needed,
                 quota,
@@ -399,7 +435,7 @@ impl KvCacheManager {
         }
         let state = state.clone();
         for &b in state.table.blocks() {
-            self.pool.touch(b);
+            self.pool.touch(b, state.tenant);
         }
         self.seqs.insert(child, state);
         Ok(())
@@ -413,7 +449,7 @@ impl KvCacheManager {
             .remove(&seq)
             .ok_or(KvError::UnknownSequence(seq))?;
         for &b in state.table.blocks().iter().rev() {
-            self.pool.release(b);
+            self.pool.release(b, state.tenant);
         }
         if let Some(host) = state.host {
             for &h in host.iter().rev() {

@@ -66,11 +66,23 @@ impl KvCacheManager {
             state.host = Some(host);
             state.table.replace_all(Vec::new());
             for &b in blocks.iter().rev() {
-                self.pool.release(b);
+                self.pool.release(b, state.tenant);
             }
         }
         self.counters.swapped_out_blocks += plan.to_host.len() as u64;
         Ok(plan)
+    }
+
+    /// Distinct host blocks a swapped-out group holds (blocks its sequences share count once):
+    /// the most device blocks its swap-in takes.
+    pub fn swapped_group_blocks(&self, group: &[SeqId]) -> usize {
+        let mut seen = std::collections::HashSet::new();
+        for seq in group {
+            if let Some(host) = self.seqs.get(seq).and_then(|s| s.host.as_ref()) {
+                seen.extend(host.iter().copied());
+            }
+        }
+        seen.len()
     }
 
     /// Brings `group` back to device blocks. The caller copies `plan.to_device` before the next
@@ -78,6 +90,8 @@ impl KvCacheManager {
     pub fn swap_in(&mut self, group: &[SeqId]) -> Result<SwapPlan, KvError> {
         let mut distinct: Vec<HostBlockId> = Vec::new();
         let mut parents = Vec::new();
+        // The sequence that first uses each block takes its first reference, in its tenant's name.
+        let mut first_tenant = Vec::new();
         let mut seen: HashMap<HostBlockId, usize> = HashMap::new();
         for &seq in group {
             let state = self.seqs.get(&seq).ok_or(KvError::UnknownSequence(seq))?;
@@ -88,6 +102,7 @@ impl KvCacheManager {
                 seen.entry(h).or_insert_with(|| {
                     distinct.push(h);
                     parents.push(logical.checked_sub(1).map(|p| state.hashes[p]));
+                    first_tenant.push(state.tenant);
                     distinct.len() - 1
                 });
             }
@@ -114,14 +129,16 @@ impl KvCacheManager {
         let scope = self.seqs[&group[0]].scope;
         let mut device_of = Vec::with_capacity(distinct.len());
         let mut plan = SwapPlan::default();
-        for ((&h, r), parent) in distinct.iter().zip(&reuse).zip(parents) {
+        for (((&h, r), parent), tenant) in
+            distinct.iter().zip(&reuse).zip(parents).zip(first_tenant)
+        {
             let id = match r {
                 Some(b) => {
-                    self.pool.touch(*b);
+                    self.pool.touch(*b, tenant);
                     *b
                 }
                 None => {
-                    let b = self.allocate_block(scope);
+                    let b = self.allocate_block(scope, tenant);
                     let meta = self.host_meta[h.0 as usize];
                     self.pool.set_filled(b, meta.filled);
                     if let Some(hash) = meta.hash {
@@ -148,7 +165,7 @@ impl KvCacheManager {
             for h in &host {
                 let i = seen[h];
                 if !std::mem::replace(&mut first_use[i], false) {
-                    self.pool.touch(device_of[i]);
+                    self.pool.touch(device_of[i], state.tenant);
                 }
                 table.push(device_of[i]);
             }

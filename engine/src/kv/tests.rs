@@ -139,18 +139,55 @@ fn failed_operations_change_nothing() {
     m.check_invariants().unwrap();
 }
 
+/// Starts `seq` for `tenant` in `scope`.
+fn start_for(
+    m: &mut KvCacheManager,
+    seq: u64,
+    tenant: u32,
+    scope: &str,
+    tokens: &[u32],
+) -> Result<usize, KvError> {
+    let scope = m.scope(scope);
+    let p = m.hash_prompt(scope, tokens).for_tenant(TenantId(tenant));
+    m.allocate_prompt(SeqId(seq), &p, tokens)
+        .map(|a| a.cached_tokens)
+}
+
 #[test]
-fn quotas_cap_a_scope_and_leave_others_alone() {
+fn quotas_cap_a_tenant_and_not_the_tenants_sharing_its_scope() {
     let mut m = test_manager(16, 0, 4);
-    let a = m.scope("a");
+    let (a, b) = (TenantId(0), TenantId(1));
     m.set_quota(a, Some(2));
-    start(&mut m, 1, "a", &toks(0..8));
+    start_for(&mut m, 1, 0, "shared", &toks(0..8)).unwrap();
     let err = m.append_slots(SeqId(1), &[1]).unwrap_err();
     assert_eq!(err.code(), "kv_quota_exceeded");
-    assert_eq!(start(&mut m, 2, "b", &toks(0..12)), 0);
-    assert_eq!(m.scope_usage(a), 2);
+    // Tenant b, no quota, same scope: it hits a's two blocks and goes well past 2 blocks.
+    assert_eq!(start_for(&mut m, 2, 1, "shared", &toks(0..20)).unwrap(), 8);
+    m.append_slots(SeqId(2), &toks(0..8)).unwrap();
+    // The shared blocks count for both: either tenant alone would keep them.
+    assert_eq!((m.tenant_usage(a), m.tenant_usage(b)), (2, 7));
+    // A quota removed is gone.
+    m.set_quota(a, None);
+    assert_eq!(m.quota(a), None);
+    m.append_slots(SeqId(1), &[1]).unwrap();
+    assert_eq!(m.tenant_usage(a), 3);
+    m.check_invariants().unwrap();
     m.free(SeqId(1)).unwrap();
-    assert_eq!(m.scope_usage(a), 0);
+    m.free(SeqId(2)).unwrap();
+    assert_eq!((m.tenant_usage(a), m.tenant_usage(b)), (0, 0));
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_hit_on_another_tenants_block_counts_against_the_quota() {
+    let mut m = test_manager(16, 0, 4);
+    start_for(&mut m, 1, 0, "shared", &toks(0..13)).unwrap();
+    m.set_quota(TenantId(1), Some(2));
+    // Three full blocks would be hit, all held by tenant 0 only: new to tenant 1.
+    let err = start_for(&mut m, 2, 1, "shared", &toks(0..13)).unwrap_err();
+    assert_eq!(err.code(), "kv_quota_exceeded");
+    assert_eq!(m.num_sequences(), 1);
+    m.check_invariants().unwrap();
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! The block manager's public value types: its configuration, errors, and the results of its
 //! operations.
 
-use super::{BlockId, HostBlockId, ScopeId, SeqId};
+use super::{BlockId, HostBlockId, ScopeId, SeqId, TenantId};
 use kvgate_protocol::{BlockHash, BlockHasher, Chain};
 
 /// Sizes of the pools and the hash recipe.
@@ -26,9 +26,11 @@ pub enum KvError {
     OutOfBlocks { needed: usize, free: usize },
     #[error("out of host swap blocks: {needed} needed, {free} free")]
     OutOfHostBlocks { needed: usize, free: usize },
-    #[error("scope {scope:?} is over its KV block quota: {used} used + {needed} needed > {quota}")]
+    #[error(
+        "tenant {tenant:?} is over its KV block quota: {used} used + {needed} needed > {quota}"
+    )]
     QuotaExceeded {
-        scope: String,
+        tenant: TenantId,
         used: u32,
         needed: usize,
         quota: u32,
@@ -58,10 +60,12 @@ impl KvError {
 }
 
 /// A prompt's block hashes in its scope, computed once at admission by
-/// [`super::KvCacheManager::hash_prompt`] (the only constructor, so the hashes always match the tokens).
+/// [`super::KvCacheManager::hash_prompt`] (the only constructor, so the hashes always match the tokens),
+/// and the tenant its blocks are charged to, if any ([`HashedPrompt::for_tenant`]).
 #[derive(Debug, Clone)]
 pub struct HashedPrompt {
     pub(super) scope: ScopeId,
+    pub(super) tenant: Option<TenantId>,
     pub(super) hashes: Vec<BlockHash>,
     /// Chain after the last full block (the scope's start chain when there is none).
     pub(super) chain: Chain,
@@ -69,8 +73,19 @@ pub struct HashedPrompt {
 }
 
 impl HashedPrompt {
+    /// Charges the sequence started from this prompt to `tenant`: its blocks count against the
+    /// tenant's quota and in its block count.
+    pub fn for_tenant(mut self, tenant: TenantId) -> Self {
+        self.tenant = Some(tenant);
+        self
+    }
+
     pub fn scope(&self) -> ScopeId {
         self.scope
+    }
+
+    pub fn tenant(&self) -> Option<TenantId> {
+        self.tenant
     }
 
     /// Hashes of the prompt's full blocks.

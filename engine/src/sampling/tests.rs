@@ -156,8 +156,34 @@ fn greedy_takes_the_lowest_id_on_ties() {
     let mut masked = [f32::NEG_INFINITY, f32::NAN];
     assert_eq!(
         s.sample(&mut masked, &mut ws),
-        Err(SamplingError::AllMasked)
+        Err(SamplingError::NoFiniteLogits)
     );
+    assert_eq!(SamplingError::NoFiniteLogits.api_error().status, 500);
+    assert_eq!(SamplingError::EmptyLogits.api_error().status, 500);
+}
+
+#[test]
+fn a_request_that_masks_every_token_is_its_own_400() {
+    // min_tokens suppresses EOS and the stop tokens; here they are the whole vocabulary.
+    let params = SamplingParams {
+        min_tokens: 2,
+        stop_token_ids: vec![0, 1],
+        ..SamplingParams::greedy()
+    };
+    let mut s = Sampler::new(&params, &[], &[2], 0);
+    let mut ws = Workspace::new();
+    let err = s.sample(&mut [1.0, 2.0, 3.0], &mut ws).unwrap_err();
+    assert_eq!(err, SamplingError::AllMasked);
+    assert!(err.is_request_fault());
+    let api = err.api_error();
+    assert_eq!((api.status, api.type_), (400, "invalid_request_error"));
+    // Once min_tokens is reached nothing is masked any more.
+    let params = SamplingParams {
+        min_tokens: 0,
+        ..params
+    };
+    let mut s = Sampler::new(&params, &[], &[2], 0);
+    assert_eq!(s.sample(&mut [1.0, 2.0, 3.0], &mut ws).unwrap().token, 2);
 }
 
 #[test]

@@ -1,9 +1,9 @@
 //! The scheduling algorithm (see the module docs of [`crate::scheduler`]).
 
 use super::fairness::{FairQueues, TenantId};
-use super::plan::{PreemptMode, StepItem, StepPlan};
+use super::plan::{PreemptMode, StepPlan};
 use super::sequence::{FinishReason, GroupId, SeqGroup, SeqStatus, Sequence};
-use crate::kv::{KvCacheManager, KvError, ScopeId, SeqId};
+use crate::kv::{KvCacheManager, ScopeId, SeqId};
 use std::collections::HashMap;
 
 /// Limits of one step and the preemption mode.
@@ -38,18 +38,18 @@ pub struct NewGroup {
 /// The engine's sequences and the policy that batches them.
 #[derive(Debug)]
 pub struct Scheduler {
-    config: SchedulerConfig,
+    pub(super) config: SchedulerConfig,
     pub kv: KvCacheManager,
-    groups: HashMap<GroupId, SeqGroup>,
-    priorities: HashMap<GroupId, f64>,
-    waiting: FairQueues,
+    pub(super) groups: HashMap<GroupId, SeqGroup>,
+    pub(super) priorities: HashMap<GroupId, f64>,
+    pub(super) waiting: FairQueues,
     /// Running groups, oldest arrival first.
-    running: Vec<GroupId>,
+    pub(super) running: Vec<GroupId>,
     /// Swapped-out groups, oldest arrival first.
-    swapped: Vec<GroupId>,
-    next_arrival: u64,
-    next_seq: u64,
-    stats: SchedulerStats,
+    pub(super) swapped: Vec<GroupId>,
+    pub(super) next_arrival: u64,
+    pub(super) next_seq: u64,
+    pub(super) stats: SchedulerStats,
 }
 
 impl Scheduler {
@@ -76,14 +76,35 @@ impl Scheduler {
         self.stats
     }
 
-    pub fn set_tenant_weight(&mut self, tenant: TenantId, weight: f64) {
+    /// Applies what a request says of its tenant: its priority weight and its KV block quota.
+    /// Every request carries the tenant's current settings, so `None` removes a quota the tenant
+    /// had. Groups already queued are held to the new quota; those it can never fit are refused
+    /// when their turn comes.
+    pub fn update_tenant(&mut self, tenant: TenantId, weight: f64, kv_quota: Option<u32>) {
         self.waiting.set_weight(tenant, weight);
+        self.kv.set_quota(tenant, kv_quota);
+    }
+
+    /// KV blocks a group may need at most: its prompt, and for each sample its tokens plus one
+    /// block of copy-on-write.
+    fn worst_blocks(&self, prompt_len: usize, n: usize, max_tokens: usize) -> usize {
+        let b = self.kv.block_size();
+        prompt_len.div_ceil(b) + n * (max_tokens.div_ceil(b) + 1)
+    }
+
+    pub(super) fn group_worst_blocks(&self, gid: GroupId) -> Option<usize> {
+        let g = self.groups.get(&gid)?;
+        Some(self.worst_blocks(g.prompt_len, g.n, g.max_tokens))
+    }
+
+    /// Running groups, oldest first.
+    pub(super) fn running_groups(&self) -> impl Iterator<Item = &SeqGroup> {
+        self.running.iter().filter_map(|g| self.groups.get(g))
     }
 
     /// Queues a request, or refuses it when it could never fit (livelock guard).
     pub fn add(&mut self, g: NewGroup) -> Result<(), String> {
-        let b = self.kv.block_size();
-        let worst = g.prompt.len().div_ceil(b) + g.n * (g.max_tokens.div_ceil(b) + 1);
+        let worst = self.worst_blocks(g.prompt.len(), g.n, g.max_tokens);
         if worst > self.kv.num_blocks() {
             return Err(format!(
                 "the request needs up to {worst} KV blocks ({} prompt tokens, max_tokens {}, n {}); \
@@ -94,14 +115,14 @@ impl Scheduler {
                 self.kv.num_blocks()
             ));
         }
-        if let Some(q) = self.kv.quota(g.scope) {
+        if let Some(q) = self.kv.quota(g.tenant) {
             if worst > q as usize {
                 return Err(format!(
                     "the request needs up to {worst} KV blocks, over its tenant's quota of {q}"
                 ));
             }
         }
-        let hashed = self.kv.hash_prompt(g.scope, &g.prompt);
+        let hashed = self.kv.hash_prompt(g.scope, &g.prompt).for_tenant(g.tenant);
         let seq = self.new_seq_id();
         self.groups.insert(
             g.id,
@@ -180,134 +201,47 @@ impl Scheduler {
         plan
     }
 
-    fn schedule_decodes(&mut self, plan: &mut StepPlan, budget: &mut Budget) {
-        let order = self.running.clone();
-        for gid in order {
-            // An earlier group's preemption may have taken this one already.
-            let Some(group) = self.groups.get(&gid) else {
-                continue;
-            };
-            if group.status != SeqStatus::Running || group.in_prefill() {
-                continue;
-            }
-            let seqs: Vec<SeqId> = group.live().map(|s| s.id).collect();
-            if seqs.len() > budget.seqs || seqs.len() > budget.tokens {
-                continue;
-            }
-            let needed: usize = seqs
-                .iter()
-                .map(|s| self.kv.blocks_needed_to_append(*s, 1).unwrap_or(0))
-                .sum();
-            if !self.make_room(gid, needed, plan) {
-                continue;
-            }
-            let Some(group) = self.groups.get_mut(&gid) else {
-                continue;
-            };
-            for seq in group.seqs.iter_mut().filter(|s| s.finished.is_none()) {
-                let last = seq.tokens[seq.num_computed..].to_vec();
-                // A quota reached by decode: this sequence waits a step.
-                let Ok(out) = self.kv.append_slots(seq.id, &last) else {
-                    continue;
-                };
-                plan.cow.extend(out.cow);
-                plan.items.push(StepItem {
-                    group: gid,
-                    seq: seq.id,
-                    start: seq.num_computed,
-                    len: last.len(),
-                    sample: true,
-                });
-                seq.num_computed = seq.tokens.len();
-                budget.tokens -= last.len();
-                budget.seqs -= 1;
-            }
-        }
-    }
-
-    /// Preempts lower-priority, later groups until `needed` blocks are free. Returns false when
-    /// `gid` itself had to go.
-    fn make_room(&mut self, gid: GroupId, needed: usize, plan: &mut StepPlan) -> bool {
-        while needed > self.kv.num_free_blocks() {
-            let Some(victim) = self.pick_victim() else {
-                return false;
-            };
-            let alone = self.running.len() == 1;
-            self.preempt(victim, plan);
-            if victim == gid {
-                if alone {
-                    self.reject(gid, "the request no longer fits in the KV cache", plan);
-                }
-                return false;
-            }
-        }
-        true
-    }
-
-    /// The lowest-priority group, latest arrival among equals.
-    fn pick_victim(&self) -> Option<GroupId> {
-        self.running
-            .iter()
-            .rev()
-            .min_by(|a, b| self.priorities[a].total_cmp(&self.priorities[b]))
-            .copied()
-    }
-
-    fn preempt(&mut self, gid: GroupId, plan: &mut StepPlan) {
-        self.running.retain(|g| *g != gid);
-        let Some(group) = self.groups.get_mut(&gid) else {
-            return;
-        };
-        group.preemptions += 1;
-        let seqs: Vec<SeqId> = group.live().map(|s| s.id).collect();
-        if self.config.preempt_mode == PreemptMode::Swap {
-            if let Ok(swap) = self.kv.swap_out(&seqs) {
-                plan.swap_out.extend(swap.to_host);
-                group.status = SeqStatus::Swapped;
-                let arrival = group.arrival;
-                let at = self
-                    .swapped
-                    .partition_point(|g| self.groups[g].arrival < arrival);
-                self.swapped.insert(at, gid);
-                plan.preempted.push((gid, PreemptMode::Swap));
-                self.stats.preempted_swap += 1;
-                return;
-            }
-        }
-        // Recompute: free every block; full ones stay cached, so the resume mostly hits.
-        for seq in group.seqs.iter_mut().filter(|s| s.finished.is_none()) {
-            let _ = self.kv.free(seq.id);
-            seq.num_computed = 0;
-        }
-        group.status = SeqStatus::Waiting;
-        group.hashed = None;
-        self.waiting.push_front(group.tenant, gid);
-        plan.preempted.push((gid, PreemptMode::Recompute));
-        self.stats.preempted_recompute += 1;
-    }
-
+    /// Brings swapped-out groups back, oldest first, while free blocks allow. A group whose
+    /// tenant is at its quota stays out and the next one may come in; one that could never fit
+    /// a lowered quota is refused.
     fn schedule_swap_ins(&mut self, plan: &mut StepPlan) {
-        while let Some(&gid) = self.swapped.first() {
-            let seqs: Vec<SeqId> = self.groups[&gid].live().map(|s| s.id).collect();
-            let blocks: usize = seqs
-                .iter()
-                .filter_map(|s| self.kv.swapped_blocks(*s))
-                .sum::<usize>()
-                + seqs.len();
-            if blocks > self.kv.num_free_blocks() {
+        let mut i = 0;
+        while let Some(&gid) = self.swapped.get(i) {
+            let Some(group) = self.groups.get(&gid) else {
+                self.swapped.remove(i);
+                continue;
+            };
+            let tenant = group.tenant;
+            let seqs: Vec<SeqId> = group.live().map(|s| s.id).collect();
+            let held = self.kv.swapped_group_blocks(&seqs);
+            // Room for each sequence's next block too, so it can decode once back.
+            if held + seqs.len() > self.kv.num_free_blocks() {
                 return;
+            }
+            if let Some(q) = self.kv.quota(tenant) {
+                if held > q as usize {
+                    let reason = format!(
+                        "the request no longer fits in its tenant's KV quota of {q} blocks"
+                    );
+                    self.reject(gid, &reason, plan);
+                    continue;
+                }
+                if self.kv.tenant_usage(tenant) as usize + held > q as usize {
+                    i += 1;
+                    continue;
+                }
             }
             let Ok(swap) = self.kv.swap_in(&seqs) else {
                 return;
             };
             plan.swap_in.extend(swap.to_device);
-            self.swapped.remove(0);
+            self.swapped.remove(i);
             self.mark_running(gid);
         }
     }
 
     /// Moves `gid` into the running list, which stays in arrival order.
-    fn mark_running(&mut self, gid: GroupId) {
+    pub(super) fn mark_running(&mut self, gid: GroupId) {
         let Some(group) = self.groups.get_mut(&gid) else {
             return;
         };
@@ -317,154 +251,6 @@ impl Scheduler {
             .running
             .partition_point(|g| self.groups[g].arrival < arrival);
         self.running.insert(at, gid);
-    }
-
-    fn schedule_running_prefills(&mut self, plan: &mut StepPlan, budget: &mut Budget) {
-        let prefilling: Vec<GroupId> = self
-            .running
-            .iter()
-            .copied()
-            .filter(|g| self.groups[g].in_prefill())
-            .collect();
-        for gid in prefilling {
-            if !self.prefill_group(gid, plan, budget) {
-                return;
-            }
-        }
-    }
-
-    /// Schedules the next chunk of every uncomputed sequence of `gid`. Returns false when the
-    /// budget or the memory ran out.
-    fn prefill_group(&mut self, gid: GroupId, plan: &mut StepPlan, budget: &mut Budget) -> bool {
-        let Some(group) = self.groups.get_mut(&gid) else {
-            return true;
-        };
-        let mut complete = true;
-        for seq in group.seqs.iter_mut().filter(|s| s.finished.is_none()) {
-            let want = seq.num_uncomputed();
-            if want == 0 {
-                continue;
-            }
-            if budget.tokens == 0 || budget.seqs == 0 {
-                complete = false;
-                break;
-            }
-            let len = want
-                .min(budget.tokens)
-                .min(self.kv.appendable_tokens(seq.id));
-            if len == 0 {
-                complete = false;
-                break;
-            }
-            let chunk = seq.tokens[seq.num_computed..seq.num_computed + len].to_vec();
-            match self.kv.append_slots(seq.id, &chunk) {
-                Ok(out) => plan.cow.extend(out.cow),
-                Err(_) => {
-                    complete = false;
-                    break;
-                }
-            }
-            plan.items.push(StepItem {
-                group: gid,
-                seq: seq.id,
-                start: seq.num_computed,
-                len,
-                sample: len == want,
-            });
-            seq.num_computed += len;
-            budget.tokens -= len;
-            budget.seqs -= 1;
-            complete &= len == want;
-        }
-        complete && budget.tokens > 0 && budget.seqs > 0
-    }
-
-    fn admit_waiting(&mut self, plan: &mut StepPlan, budget: &mut Budget) {
-        let mut blocked: Vec<TenantId> = Vec::new();
-        while budget.tokens > 0 && budget.seqs > 0 {
-            let Some(tenant) = self
-                .waiting
-                .order()
-                .into_iter()
-                .find(|t| !blocked.contains(t))
-            else {
-                return;
-            };
-            let Some(gid) = self.waiting.front(tenant) else {
-                return;
-            };
-            match self.start_group(gid) {
-                Ok(()) => {}
-                Err(KvError::QuotaExceeded { .. }) => {
-                    blocked.push(tenant); // this tenant waits; others go on
-                    continue;
-                }
-                Err(_) => return, // out of blocks: nobody else fits better in FIFO order
-            }
-            self.waiting.pop_front(tenant);
-            // Fairness counts the work a tenant asks for (its prompt tokens), cached or not, so
-            // a tenant whose requests hit the cache cannot take every free slot.
-            let work: usize = self.groups[&gid].live().map(|s| s.tokens.len()).sum();
-            self.waiting.charge(tenant, work);
-            self.mark_running(gid);
-            if !self.prefill_group(gid, plan, budget) {
-                return;
-            }
-        }
-    }
-
-    /// Starts every live sequence of a waiting group on its cached prefix, all or nothing.
-    fn start_group(&mut self, gid: GroupId) -> Result<(), KvError> {
-        let group = &self.groups[&gid];
-        let prompts: Vec<_> = match &group.hashed {
-            Some(h) => vec![h.clone()],
-            None => group
-                .live()
-                .map(|s| self.kv.hash_prompt(group.scope, &s.tokens))
-                .collect(),
-        };
-        // Admit only when the whole prompt fits now: a long prompt then waits for room instead
-        // of holding half its blocks while decodes preempt it.
-        let needed: usize = prompts
-            .iter()
-            .map(|p| self.kv.blocks_needed_for_prompt(p))
-            .sum();
-        if needed > self.kv.num_free_blocks() {
-            return Err(KvError::OutOfBlocks {
-                needed,
-                free: self.kv.num_free_blocks(),
-            });
-        }
-        let ids: Vec<SeqId> = group.live().map(|s| s.id).collect();
-        let mut started = Vec::new();
-        for (id, prompt) in ids.iter().zip(&prompts) {
-            match self.kv.start_sequence(*id, prompt) {
-                Ok(cached) => started.push((*id, cached)),
-                Err(e) => {
-                    for (s, _) in started {
-                        let _ = self.kv.free(s);
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        let first = group.hashed.is_some();
-        let Some(group) = self.groups.get_mut(&gid) else {
-            return Ok(());
-        };
-        for (seq, (_, cached)) in group
-            .seqs
-            .iter_mut()
-            .filter(|s| s.finished.is_none())
-            .zip(&started)
-        {
-            seq.num_computed = *cached;
-        }
-        if first {
-            group.cached_tokens = started.first().map_or(0, |s| s.1);
-            group.hashed = None;
-        }
-        Ok(())
     }
 
     /// Appends a sampled token to `seq` (its K/V is computed next step).
@@ -537,7 +323,7 @@ impl Scheduler {
         true
     }
 
-    fn reject(&mut self, gid: GroupId, reason: &str, plan: &mut StepPlan) {
+    pub(super) fn reject(&mut self, gid: GroupId, reason: &str, plan: &mut StepPlan) {
         self.abort(gid);
         plan.rejected.push((gid, reason.to_owned()));
     }
@@ -551,7 +337,7 @@ impl Scheduler {
     }
 }
 
-struct Budget {
-    tokens: usize,
-    seqs: usize,
+pub(super) struct Budget {
+    pub(super) tokens: usize,
+    pub(super) seqs: usize,
 }

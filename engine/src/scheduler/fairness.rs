@@ -5,11 +5,8 @@
 //! less than the smallest active clock, so idling earns no burst credit. O(tenants) per pick.
 
 use super::sequence::GroupId;
+pub use crate::kv::TenantId;
 use std::collections::VecDeque;
-
-/// A tenant, interned by the engine.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
-pub struct TenantId(pub u32);
 
 #[derive(Debug, Clone)]
 struct Tenant {

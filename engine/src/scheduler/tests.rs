@@ -3,6 +3,9 @@
 
 use super::*;
 use crate::kv::test_manager;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::HashSet;
 
 fn scheduler(blocks: u32, mode: PreemptMode) -> Scheduler {
     Scheduler::new(
@@ -16,24 +19,91 @@ fn scheduler(blocks: u32, mode: PreemptMode) -> Scheduler {
 }
 
 fn add(s: &mut Scheduler, id: u64, tenant: u32, prompt_len: usize, n: usize, max_tokens: usize) {
-    let scope = s.kv.scope(&format!("t{tenant}"));
-    let prompt = (0..prompt_len as u32).map(|i| i + 100 * tenant).collect();
+    add_with(s, id, tenant, 1.0, prompt_len, n, max_tokens).unwrap();
+}
+
+fn add_with(
+    s: &mut Scheduler,
+    id: u64,
+    tenant: u32,
+    priority: f64,
+    prompt_len: usize,
+    n: usize,
+    max_tokens: usize,
+) -> Result<(), String> {
+    let scope = format!("t{tenant}");
+    add_in(s, id, tenant, &scope, priority, prompt_len, n, max_tokens)
+}
+
+/// Queues a request of `tenant` in cache scope `scope`; prompts of a scope share their start.
+#[allow(clippy::too_many_arguments)]
+fn add_in(
+    s: &mut Scheduler,
+    id: u64,
+    tenant: u32,
+    scope: &str,
+    priority: f64,
+    prompt_len: usize,
+    n: usize,
+    max_tokens: usize,
+) -> Result<(), String> {
+    let scope_id = s.kv.scope(scope);
+    let base = 100 * scope.bytes().map(u32::from).sum::<u32>();
+    let prompt = (0..prompt_len as u32).map(|i| i + base).collect();
+    let scope = scope_id;
     s.add(NewGroup {
         id: GroupId(id),
         tenant: TenantId(tenant),
-        priority: 1.0,
+        priority,
         scope,
         prompt,
         n,
         max_tokens,
     })
-    .unwrap();
+}
+
+/// What the model runner relies on: every item is a live sequence of a running group whose
+/// table holds a slot for each planned token, and every copy-on-write lands in such a table.
+fn check_plan(s: &Scheduler, plan: &StepPlan) {
+    let bs = s.kv.block_size();
+    let mut planned = HashSet::new();
+    let mut tables = HashSet::new();
+    for item in &plan.items {
+        let g = s
+            .group(item.group)
+            .unwrap_or_else(|| panic!("{item:?}: the group is gone"));
+        assert_eq!(g.status, SeqStatus::Running, "{item:?}: group not running");
+        let seq = g
+            .seqs
+            .iter()
+            .find(|x| x.id == item.seq)
+            .unwrap_or_else(|| panic!("{item:?}: no such sequence"));
+        assert!(seq.finished.is_none(), "{item:?}: sequence finished");
+        assert!(planned.insert(item.seq), "{item:?}: planned twice");
+        assert!(item.len > 0, "{item:?}: empty item");
+        assert_eq!(seq.num_computed, item.start + item.len, "{item:?}");
+        assert!(!s.kv.is_swapped_out(item.seq), "{item:?}: swapped out");
+        let table =
+            s.kv.block_table(item.seq)
+                .unwrap_or_else(|| panic!("{item:?}: no block table"));
+        assert!(!table.blocks().is_empty(), "{item:?}: empty block table");
+        assert_eq!(table.num_tokens(), item.start + item.len, "{item:?}");
+        assert!(table.blocks().len() * bs >= item.start + item.len);
+        tables.extend(table.blocks().iter().copied());
+    }
+    for (src, dst) in &plan.cow {
+        assert!(
+            tables.contains(dst),
+            "copy {src:?} -> {dst:?} writes a block no planned sequence holds"
+        );
+    }
 }
 
 /// Runs one step: every sampled item gets token 7 (or forks first for `n > 1`), and sequences
 /// finish at their `max_tokens`. Returns the plan.
 fn step(s: &mut Scheduler) -> StepPlan {
     let plan = s.schedule();
+    check_plan(s, &plan);
     for item in plan.items.iter().filter(|i| i.sample) {
         let Some(g) = s.group(item.group) else {
             continue;
@@ -119,8 +189,7 @@ fn a_flooding_tenant_does_not_starve_a_light_one() {
 #[test]
 fn a_tenant_over_its_quota_waits_and_others_go_on() {
     let mut s = scheduler(256, PreemptMode::Recompute);
-    let scope = s.kv.scope("t0");
-    s.kv.set_quota(scope, Some(12));
+    s.update_tenant(TenantId(0), 1.0, Some(12));
     for i in 0..4 {
         add(&mut s, i, 0, 20, 1, 4); // 6 blocks each: two fit in the quota
     }
@@ -131,7 +200,7 @@ fn a_tenant_over_its_quota_waits_and_others_go_on() {
         groups.contains(&100),
         "tenant 1 is not held back by tenant 0's quota"
     );
-    assert!(s.kv.scope_usage(scope) <= 12);
+    assert!(s.kv.tenant_usage(TenantId(0)) <= 12);
     while s.has_work() {
         step(&mut s);
     }
@@ -164,5 +233,247 @@ fn preemption_takes_the_latest_group_and_every_group_completes() {
         );
         assert_eq!(s.kv.usage().used, 0);
         assert_eq!(s.kv.usage().host_used, 0);
+    }
+}
+
+/// A low-priority group that arrived first is decoded first; a later, higher-priority group then
+/// needs the last block and takes it from the first, whose decode was already planned.
+#[test]
+fn a_victim_planned_this_step_leaves_the_plan() {
+    for mode in [PreemptMode::Recompute, PreemptMode::Swap] {
+        let mut s = scheduler(4, mode);
+        // 5 tokens: one full block and one with room; 8 tokens: two full blocks.
+        add_with(&mut s, 1, 0, 0.5, 5, 1, 3).unwrap();
+        add_with(&mut s, 2, 1, 2.0, 8, 1, 3).unwrap();
+        step(&mut s);
+        assert_eq!(s.kv.num_free_blocks(), 0, "{mode:?}: the pool is full");
+        let plan = step(&mut s);
+        assert_eq!(plan.preempted, vec![(GroupId(1), mode)], "{mode:?}");
+        assert!(
+            plan.items.iter().all(|i| i.group == GroupId(2)),
+            "{mode:?}: {:?}",
+            plan.items
+        );
+        let mut steps = 0;
+        while s.has_work() {
+            step(&mut s);
+            steps += 1;
+            assert!(steps < 100, "{mode:?}: no progress");
+        }
+        assert_eq!(s.kv.usage().used, 0, "{mode:?}");
+        assert_eq!(s.kv.usage().host_used, 0, "{mode:?}");
+    }
+}
+
+/// Random arrivals of three tenants with mixed priorities, `n` samples and aborts over a pool
+/// that is often full, in both preemption modes: every plan is one the model runner can run, the
+/// block manager stays consistent, every request ends, and every block comes back.
+#[test]
+fn randomized_mixed_priorities_keep_plans_runnable_and_return_every_block() {
+    for mode in [PreemptMode::Recompute, PreemptMode::Swap] {
+        for seed in 0..48 {
+            random_run(mode, seed);
+        }
+    }
+}
+
+fn random_run(mode: PreemptMode, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut s = Scheduler::new(
+        SchedulerConfig {
+            max_batched_tokens: 24,
+            max_seqs: 6,
+            preempt_mode: mode,
+        },
+        test_manager(20, 40, 4),
+    );
+    let priorities = [0.5, 1.0, 2.0, 4.0];
+    let mut next = 0u64;
+    for n in 0..300 {
+        if n < 150 && rng.gen_bool(0.5) {
+            let tenant = rng.gen_range(0..3);
+            let priority = priorities[rng.gen_range(0..priorities.len())];
+            let (len, samples, max) = (
+                rng.gen_range(1..=14),
+                rng.gen_range(1..=3),
+                rng.gen_range(1..=10),
+            );
+            let _ = add_with(&mut s, next, tenant, priority, len, samples, max);
+            next += 1;
+        }
+        if next > 0 && rng.gen_bool(0.03) {
+            s.abort(GroupId(rng.gen_range(0..next)));
+        }
+        step(&mut s);
+    }
+    let mut steps = 0;
+    while s.has_work() {
+        step(&mut s);
+        steps += 1;
+        assert!(steps < 2000, "{mode:?} seed {seed}: no progress");
+    }
+    let usage = s.kv.usage();
+    assert_eq!(
+        (usage.used, usage.host_used, s.kv.num_sequences()),
+        (0, 0, 0),
+        "{mode:?} seed {seed}: blocks left behind"
+    );
+}
+
+/// Runs steps until no work is left; panics after `limit` steps.
+fn drain(s: &mut Scheduler, limit: usize) -> Vec<(GroupId, PreemptMode)> {
+    let mut preempted = Vec::new();
+    let mut steps = 0;
+    while s.has_work() {
+        preempted.extend(step(s).preempted);
+        steps += 1;
+        assert!(steps < limit, "no progress in {limit} steps");
+    }
+    assert_eq!(s.kv.usage().used, 0);
+    assert_eq!(s.kv.usage().host_used, 0);
+    preempted
+}
+
+/// Each request carries its tenant's settings, as the engine thread applies them.
+fn submit(
+    s: &mut Scheduler,
+    id: u64,
+    tenant: u32,
+    quota: Option<u32>,
+    scope: &str,
+    prompt_len: usize,
+    max_tokens: usize,
+) -> Result<(), String> {
+    s.update_tenant(TenantId(tenant), 1.0, quota);
+    add_in(s, id, tenant, scope, 1.0, prompt_len, 1, max_tokens)
+}
+
+#[test]
+fn quotas_belong_to_tenants_and_follow_their_updates() {
+    let mut s = scheduler(64, PreemptMode::Recompute);
+    // 8 prompt tokens and 4 generated: up to 2 + 1 + 1 = 4 blocks of 4 tokens.
+    let err = submit(&mut s, 1, 0, Some(2), "shared", 8, 4).unwrap_err();
+    assert!(err.contains("quota of 2"), "{err}");
+    // Tenant 1 shares the scope and has no quota: tenant 0's is not its own.
+    submit(&mut s, 2, 1, None, "shared", 8, 4).unwrap();
+    // Tenant 0's quota is removed: its next request carries none.
+    submit(&mut s, 3, 0, None, "shared", 8, 4).unwrap();
+    assert_eq!(s.kv.quota(TenantId(0)), None);
+    step(&mut s);
+    assert!(s.kv.tenant_usage(TenantId(0)) > 0 && s.kv.tenant_usage(TenantId(1)) > 0);
+    drain(&mut s, 100);
+    // And set again: it holds from the next request on.
+    let err = submit(&mut s, 4, 0, Some(3), "shared", 8, 4).unwrap_err();
+    assert!(err.contains("quota of 3"), "{err}");
+}
+
+/// Two requests of one tenant that each fit its quota but not together: the later one is
+/// preempted when their decodes reach the quota, instead of both waiting on each other.
+#[test]
+fn a_tenants_decodes_at_its_quota_preempt_within_the_tenant() {
+    for mode in [PreemptMode::Recompute, PreemptMode::Swap] {
+        let mut s = scheduler(64, mode);
+        // 4 prompt tokens and 14 generated: up to 1 + 4 + 1 = 6 blocks; 5 are used; 10 > 8.
+        submit(&mut s, 1, 0, Some(8), "t0", 4, 14).unwrap();
+        submit(&mut s, 2, 0, Some(8), "t0", 4, 14).unwrap();
+        submit(&mut s, 3, 1, None, "t1", 4, 14).unwrap();
+        let mut steps = 0;
+        let mut preempted = Vec::new();
+        while s.has_work() {
+            preempted.extend(step(&mut s).preempted);
+            assert!(s.kv.tenant_usage(TenantId(0)) <= 8, "{mode:?}");
+            steps += 1;
+            assert!(
+                steps < 200,
+                "{mode:?}: the tenant's requests wait on each other"
+            );
+        }
+        assert!(
+            preempted.iter().all(|(g, _)| *g == GroupId(2)),
+            "{mode:?}: only the tenant's later request yields: {preempted:?}"
+        );
+        assert!(!preempted.is_empty(), "{mode:?}");
+    }
+}
+
+/// A quota lowered under what a running request needs: it is refused, not left waiting.
+#[test]
+fn a_quota_lowered_under_a_running_request_refuses_it() {
+    let mut s = scheduler(64, PreemptMode::Recompute);
+    submit(&mut s, 1, 0, Some(8), "t0", 4, 14).unwrap();
+    step(&mut s);
+    step(&mut s);
+    s.update_tenant(TenantId(0), 1.0, Some(1));
+    let mut rejected = Vec::new();
+    for _ in 0..10 {
+        rejected.extend(step(&mut s).rejected);
+    }
+    assert_eq!(rejected.len(), 1, "{rejected:?}");
+    assert!(rejected[0].1.contains("quota of 1"), "{rejected:?}");
+    assert!(!s.has_work());
+    assert_eq!(s.kv.usage().used, 0);
+}
+
+/// Random arrivals of four tenants in two shared scopes, whose quotas come and go with their
+/// requests: nothing waits for ever, no tenant goes over a quota it had when a block was taken,
+/// and every block comes back.
+#[test]
+fn randomized_quota_updates_in_shared_scopes_never_wedge() {
+    for mode in [PreemptMode::Recompute, PreemptMode::Swap] {
+        for seed in 0..32 {
+            let mut rng = StdRng::seed_from_u64(1000 + seed);
+            let mut s = Scheduler::new(
+                SchedulerConfig {
+                    max_batched_tokens: 24,
+                    max_seqs: 6,
+                    preempt_mode: mode,
+                },
+                test_manager(24, 40, 4),
+            );
+            for id in 0..120 {
+                if rng.gen_bool(0.5) {
+                    let tenant = rng.gen_range(0..4);
+                    let scope = ["a", "b"][tenant as usize % 2];
+                    let quota = [None, Some(6), Some(10), Some(16)][rng.gen_range(0..4)];
+                    s.update_tenant(TenantId(tenant), 1.0, quota);
+                    let (len, n, max) = (
+                        rng.gen_range(1..=14),
+                        rng.gen_range(1..=2),
+                        rng.gen_range(1..=10),
+                    );
+                    let _ = add_in(&mut s, id, tenant, scope, 1.0, len, n, max);
+                }
+                step(&mut s);
+            }
+            drain(&mut s, 3000);
+            assert_eq!(s.kv.num_sequences(), 0, "{mode:?} seed {seed}");
+        }
+    }
+}
+
+/// A prefill in chunks whose tenant's quota is lowered under its prompt: refused, not left
+/// waiting for room that never comes (no decode of the tenant would ever preempt for it).
+#[test]
+fn a_prefill_under_a_quota_lowered_below_its_prompt_is_refused() {
+    for mode in [PreemptMode::Recompute, PreemptMode::Swap] {
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                max_batched_tokens: 8,
+                max_seqs: 8,
+                preempt_mode: mode,
+            },
+            test_manager(64, 64, 4),
+        );
+        // 24 prompt tokens and 2 generated: up to 6 + 1 + 1 = 8 blocks; 8 tokens a step.
+        submit(&mut s, 1, 0, Some(16), "t0", 24, 2).unwrap();
+        step(&mut s);
+        s.update_tenant(TenantId(0), 1.0, Some(4));
+        let mut rejected = Vec::new();
+        for _ in 0..10 {
+            rejected.extend(step(&mut s).rejected);
+        }
+        assert_eq!(rejected.len(), 1, "{mode:?}: {rejected:?}");
+        assert!(!s.has_work(), "{mode:?}");
+        assert_eq!(s.kv.usage().used, 0, "{mode:?}");
     }
 }

@@ -1,4 +1,10 @@
-//! Operator endpoints (`/admin/*`, operator token), `/health`, and `/kv/events` for the gateway.
+//! Operator endpoints (`/admin/*`, operator token), `/health` (readiness) and `/health/live`
+//! (liveness), and `/kv/events` for the gateway.
+//!
+//! Both health endpoints answer 503 when the engine thread has stopped (it returned or panicked)
+//! or stalled (see [`crate::worker::EngineThread`]): the HTTP server alone serves nothing.
+//! `/health` also answers 503 while draining, so a draining engine leaves the ready set;
+//! `/health/live` does not, so a liveness probe never restarts an engine mid-drain.
 //!
 //! `/kv/events` opens with a snapshot of every cached block (`event: snapshot`), then streams each
 //! KV event as `data: {"seq":..,"type":..}`. Events numbered at or below the snapshot's are
@@ -7,7 +13,7 @@
 
 use super::http::{self, error_response, ok_json, sse_response, stream_channel, RespBody};
 use super::ServerState;
-use crate::worker::Command;
+use crate::worker::{Command, WorkerState};
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
@@ -17,18 +23,59 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::{broadcast, oneshot};
 
+/// Readiness: 200 `ready` only while the engine thread runs and the engine is not draining; 503
+/// otherwise, with the reason in `status`.
 pub fn health(state: &ServerState) -> Response<RespBody> {
-    if state.is_draining() {
+    readiness(
+        state.engine.state(),
+        state.is_draining(),
+        state.inflight.load(Ordering::SeqCst),
+    )
+}
+
+/// Liveness (`/health/live`): 503 only when the engine thread has stopped or stalled, which a
+/// restart fixes; a draining engine is alive, so the probe never restarts it mid-drain.
+pub fn liveness(state: &ServerState) -> Response<RespBody> {
+    alive(state.engine.state())
+}
+
+fn alive(worker: WorkerState) -> Response<RespBody> {
+    worker_down(worker)
+        .unwrap_or_else(|| http::json_response(StatusCode::OK, "{\"status\":\"alive\"}".into()))
+}
+
+fn readiness(worker: WorkerState, draining: bool, inflight: usize) -> Response<RespBody> {
+    if let Some(down) = worker_down(worker) {
+        return down;
+    }
+    if draining {
         http::json_response(
             StatusCode::SERVICE_UNAVAILABLE,
-            format!(
-                "{{\"status\":\"draining\",\"inflight\":{}}}",
-                state.inflight.load(Ordering::SeqCst)
-            ),
+            format!("{{\"status\":\"draining\",\"inflight\":{inflight}}}"),
         )
     } else {
         http::json_response(StatusCode::OK, "{\"status\":\"ready\"}".into())
     }
+}
+
+/// The 503 for an engine thread that serves nothing, if it does not.
+fn worker_down(worker: WorkerState) -> Option<Response<RespBody>> {
+    let body = match worker {
+        WorkerState::Running => return None,
+        WorkerState::Stopped => serde_json::json!({
+            "status": "engine_stopped",
+            "message": "The engine thread has stopped; the process must be restarted.",
+        }),
+        WorkerState::Stalled { seconds } => serde_json::json!({
+            "status": "engine_stalled",
+            "message": "The engine thread has had work and made no progress.",
+            "stalled_seconds": seconds,
+        }),
+    };
+    Some(http::json_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        body.to_string(),
+    ))
 }
 
 async fn ask<T>(
@@ -161,4 +208,70 @@ pub async fn kv_events(state: Arc<ServerState>, req: Request<Incoming>) -> Respo
         }
     });
     sse_response(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::{EngineThread, DEFAULT_STALL_AFTER};
+    use http_body_util::BodyExt;
+
+    fn body(r: Response<RespBody>) -> serde_json::Value {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let bytes = rt.block_on(r.into_body().collect()).unwrap().to_bytes();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    /// `/health` and `/health/live` as their handlers answer them for `engine`.
+    fn probes(engine: &EngineThread, draining: bool) -> (Response<RespBody>, Response<RespBody>) {
+        let worker = engine.state();
+        (readiness(worker, draining, 0), alive(worker))
+    }
+
+    #[test]
+    fn health_is_503_once_the_engine_thread_dies() {
+        // The engine thread panics, through the same spawn the engine uses.
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let engine = EngineThread::spawn(DEFAULT_STALL_AFTER, move |beat| {
+            beat.beat(false);
+            let _ = rx.recv();
+            panic!("engine thread fault");
+        })
+        .unwrap();
+        let (ready, live) = probes(&engine, false);
+        assert_eq!(
+            (ready.status(), live.status()),
+            (StatusCode::OK, StatusCode::OK)
+        );
+        tx.send(()).unwrap();
+        engine.wait_stopped();
+        let (ready, live) = probes(&engine, false);
+        assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(live.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body(ready)["status"], "engine_stopped");
+        assert_eq!(body(live)["status"], "engine_stopped");
+    }
+
+    #[test]
+    fn draining_fails_readiness_but_not_liveness() {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let engine = EngineThread::spawn(DEFAULT_STALL_AFTER, move |beat| {
+            beat.beat(false);
+            let _ = rx.recv();
+        })
+        .unwrap();
+        let (ready, live) = probes(&engine, true);
+        assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body(ready)["status"], "draining");
+        assert_eq!(live.status(), StatusCode::OK);
+        // An engine thread that returns (its command channel closed) is as gone as one that
+        // panicked.
+        drop(tx);
+        engine.wait_stopped();
+        let (ready, live) = probes(&engine, true);
+        assert_eq!(body(ready)["status"], "engine_stopped");
+        assert_eq!(live.status(), StatusCode::SERVICE_UNAVAILABLE);
+    }
 }

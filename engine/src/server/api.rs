@@ -4,19 +4,26 @@
 //! it reaches the engine thread; every failure is an OpenAI-style error. An [`Inflight`] guard
 //! counts the request for drain and, if the response is dropped before the request finished (the
 //! client went away), tells the engine to abort it so its blocks are freed at once.
+//!
+//! Tenant, scope, priority and quota come from the gateway's `x-kvgate-*` headers, and only when
+//! the request carried the engine token: an engine without one serves every caller as the
+//! default tenant, so no caller can read another tenant's cached prefixes.
+//!
+//! A stream that fails after it started ends like any other: an SSE error event, then
+//! `data: [DONE]`.
 
 use super::http::{self, error_response, ok_json, sse_response, stream_channel, RespBody};
 use super::ServerState;
 use crate::sampling::TokenLogprobs;
 use crate::scheduler::GroupId;
-use crate::worker::{Command, Event, Submit};
+use crate::worker::{Command, Event, Submit, EVENT_BUFFER};
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
 use kvgate_protocol::openai::*;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 /// Which API a request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +67,7 @@ fn check_engine_token<B>(state: &ServerState, req: &Request<B>) -> Result<(), Ap
 }
 
 /// Who a request is for: set by the gateway in headers, defaulted when called directly.
+#[derive(Debug, PartialEq)]
 struct Tenancy {
     tenant: String,
     scope: String,
@@ -67,7 +75,25 @@ struct Tenancy {
     kv_quota: Option<u32>,
 }
 
-fn tenancy<B>(req: &Request<B>) -> Result<Tenancy, ApiError> {
+impl Default for Tenancy {
+    fn default() -> Self {
+        Tenancy {
+            tenant: "default".into(),
+            scope: "default".into(),
+            priority: 1.0,
+            kv_quota: None,
+        }
+    }
+}
+
+/// The request's tenancy. The headers carry authority (whose cache a request may hit, how much
+/// of the engine it gets), so they count only from a caller that proved it is the gateway with
+/// the engine token ([`check_engine_token`] has run); without a token everyone is the default
+/// tenant.
+fn tenancy<B>(state: &ServerState, req: &Request<B>) -> Result<Tenancy, ApiError> {
+    if state.engine_token.is_none() {
+        return Ok(Tenancy::default());
+    }
     let tenant = http::header_str(req, "x-kvgate-tenant")
         .unwrap_or("default")
         .to_owned();
@@ -172,14 +198,17 @@ async fn generate(
         return Err(ApiError::draining());
     }
     check_engine_token(&state, &req)?;
-    let who = tenancy(&req)?;
+    let who = tenancy(&state, &req)?;
     let body = http::read_body(req, state.max_body_bytes).await?;
     let p = prepare(&state, kind, &body)?;
     let max_tokens = p.params.max_tokens_for(p.prompt.len(), state.context_len)?;
     let id = GroupId(state.next_id.fetch_add(1, Ordering::SeqCst));
-    let (tx, rx) = mpsc::unbounded_channel();
-    let prompt_len = p.prompt.len();
     let n = p.params.n;
+    // Bounded: the engine holds output back rather than queue it here for a slow reader. One
+    // slot per sample for its last piece, one for the end.
+    let (tx, rx) = mpsc::channel(EVENT_BUFFER + n as usize + 1);
+    let (on_stall, stalled) = oneshot::channel();
+    let prompt_len = p.prompt.len();
     let logprobs = p.params.logprobs.is_some();
     state.inflight.fetch_add(1, Ordering::SeqCst);
     let guard = Inflight {
@@ -200,6 +229,7 @@ async fn generate(
                 params: p.params,
                 max_tokens,
                 events: tx,
+                on_stall,
             }),
         ))
         .map_err(|_| ApiError::unavailable("The engine is not running."))?;
@@ -213,7 +243,7 @@ async fn generate(
     };
     if p.stream {
         let (body_tx, body) = stream_channel(64);
-        tokio::spawn(out.stream(rx, body_tx, guard, p.include_usage));
+        tokio::spawn(out.stream(rx, body_tx, guard, p.include_usage, stalled));
         Ok(sse_response(body))
     } else {
         out.collect(rx, guard, prompt_len).await
@@ -303,7 +333,7 @@ impl Output {
 
     async fn collect(
         self,
-        mut rx: mpsc::UnboundedReceiver<Event>,
+        mut rx: mpsc::Receiver<Event>,
         mut guard: Inflight,
         _prompt_len: usize,
     ) -> Result<Response<RespBody>, ApiError> {
@@ -313,13 +343,16 @@ impl Output {
                 Event::Piece {
                     index,
                     text,
-                    token,
                     logprobs,
                     finish,
                 } => {
-                    let c = &mut choices[index as usize];
-                    if let (Some(t), Some(l)) = (token, logprobs.filter(|_| self.logprobs)) {
-                        c.tokens.push((t, c.text.len(), l));
+                    let Some(c) = choices.get_mut(index as usize) else {
+                        continue;
+                    };
+                    if self.logprobs {
+                        let at = c.text.len();
+                        c.tokens
+                            .extend(logprobs.into_iter().map(|(t, l)| (t, at, l)));
                     }
                     c.text.push_str(&text);
                     c.finish = finish.or(c.finish);
@@ -343,9 +376,7 @@ impl Output {
                 }
             }
         }
-        Err(ApiError::internal(
-            "The engine stopped before the request finished.",
-        ))
+        Err(engine_stopped())
     }
 
     fn full_response(&self, choices: Vec<Choice>, usage: Usage) -> Response<RespBody> {
@@ -400,11 +431,10 @@ impl Output {
         index: u32,
         text: String,
         finish: Option<FinishReason>,
-        lp: Option<(u32, usize, TokenLogprobs)>,
+        lps: Vec<(u32, usize, TokenLogprobs)>,
         first: bool,
     ) -> String {
         let model = &self.state.model_id;
-        let lps: Vec<_> = lp.into_iter().collect();
         match self.kind {
             Kind::Completion => sse_event(&CompletionChunk::new(
                 &self.id,
@@ -452,39 +482,53 @@ impl Output {
 
     async fn stream(
         self,
-        mut rx: mpsc::UnboundedReceiver<Event>,
+        mut rx: mpsc::Receiver<Event>,
         body: mpsc::Sender<Bytes>,
         mut guard: Inflight,
         include_usage: bool,
+        stalled: oneshot::Receiver<()>,
     ) {
+        let mut stalled = Some(stalled);
         let mut started = vec![false; self.n as usize];
         let mut offsets = vec![0usize; self.n as usize];
-        while let Some(ev) = rx.recv().await {
+        loop {
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                () = cancelled_as_stalled(&mut stalled) => {
+                    let _ = body.try_send(Bytes::from(error_frames(&stalled_client())));
+                    return;
+                }
+            };
             let frame = match ev {
-                Event::Piece {
+                Some(Event::Piece {
                     index,
                     text,
-                    token,
                     logprobs,
                     finish,
-                } => {
+                }) => {
                     let i = index as usize;
-                    let lp = match (token, logprobs.filter(|_| self.logprobs)) {
-                        (Some(t), Some(l)) => Some((t, offsets[i], l)),
-                        _ => None,
+                    let (Some(offset), Some(was_started)) =
+                        (offsets.get_mut(i), started.get_mut(i))
+                    else {
+                        continue;
                     };
-                    if text.is_empty() && lp.is_none() && finish.is_none() && started[i] {
+                    let lps: Vec<_> = if self.logprobs {
+                        logprobs.into_iter().map(|(t, l)| (t, *offset, l)).collect()
+                    } else {
+                        Vec::new()
+                    };
+                    if text.is_empty() && lps.is_empty() && finish.is_none() && *was_started {
                         continue;
                     }
-                    offsets[i] += text.len();
-                    let first = !std::mem::replace(&mut started[i], true);
-                    self.chunk(index, text, finish, lp, first)
+                    *offset += text.len();
+                    let first = !std::mem::replace(was_started, true);
+                    self.chunk(index, text, finish, lps, first)
                 }
-                Event::Done {
+                Some(Event::Done {
                     prompt_tokens,
                     completion_tokens,
                     cached_tokens,
-                } => {
+                }) => {
                     guard.finished = true;
                     let mut out = String::new();
                     if include_usage {
@@ -493,35 +537,94 @@ impl Output {
                             completion_tokens as u32,
                             cached_tokens as u32,
                         );
-                        let model = &self.state.model_id;
-                        out.push_str(&match self.kind {
-                            Kind::Completion => sse_event(&CompletionChunk::usage(
-                                &self.id,
-                                self.created,
-                                model,
-                                usage,
-                            )),
-                            Kind::Chat => sse_event(&ChatCompletionChunk::usage(
-                                &self.id,
-                                self.created,
-                                model,
-                                usage,
-                            )),
-                        });
+                        out.push_str(&self.usage_chunk(usage));
                     }
                     out.push_str(SSE_DONE);
-                    let _ = body.send(Bytes::from(out)).await;
+                    send(&body, out, &mut stalled).await;
                     return;
                 }
-                Event::Failed(e) => {
+                Some(Event::Failed(e)) => {
                     guard.finished = true;
-                    let _ = body.send(Bytes::from(e.to_sse())).await;
+                    send(&body, error_frames(&e), &mut stalled).await;
+                    return;
+                }
+                None => {
+                    // The engine dropped the request without ending it.
+                    send(&body, error_frames(&engine_stopped()), &mut stalled).await;
                     return;
                 }
             };
-            if body.send(Bytes::from(frame)).await.is_err() {
-                return; // the client went away: the guard aborts the request
+            if !send(&body, frame, &mut stalled).await {
+                return; // the client went away or stalled: the guard aborts the request
             }
         }
     }
+
+    fn usage_chunk(&self, usage: Usage) -> String {
+        let model = &self.state.model_id;
+        match self.kind {
+            Kind::Completion => sse_event(&CompletionChunk::usage(
+                &self.id,
+                self.created,
+                model,
+                usage,
+            )),
+            Kind::Chat => sse_event(&ChatCompletionChunk::usage(
+                &self.id,
+                self.created,
+                model,
+                usage,
+            )),
+        }
+    }
+}
+
+fn engine_stopped() -> ApiError {
+    ApiError::internal("The engine stopped before the request finished.")
+}
+
+fn stalled_client() -> ApiError {
+    ApiError::new(
+        ErrorCode::Timeout,
+        "The client read nothing for too long; the request was cancelled.",
+    )
+}
+
+/// How every stream that fails after it started ends, whatever the error: the error as an SSE
+/// event, then `[DONE]`, so a client (or the gateway) always sees where the stream stops.
+fn error_frames(e: &ApiError) -> String {
+    let mut out = e.to_sse();
+    out.push_str(SSE_DONE);
+    out
+}
+
+/// Sends `frame` to the client; false when it left, or when the engine cancelled the request
+/// because the client stopped reading (then the client gets the error only if it has room,
+/// since waiting for it is what the cancel ended).
+async fn send(
+    body: &mpsc::Sender<Bytes>,
+    frame: String,
+    stalled: &mut Option<oneshot::Receiver<()>>,
+) -> bool {
+    tokio::select! {
+        sent = body.send(Bytes::from(frame)) => sent.is_ok(),
+        () = cancelled_as_stalled(stalled) => {
+            let _ = body.try_send(Bytes::from(error_frames(&stalled_client())));
+            false
+        }
+    }
+}
+
+/// Completes when the engine cancels the request as stalled; never, once the engine is done with
+/// the request without doing so (the sender is gone).
+async fn cancelled_as_stalled(rx: &mut Option<oneshot::Receiver<()>>) {
+    if let Some(r) = rx.as_mut() {
+        let fired = r.await.is_ok();
+        // A finished oneshot must not be polled again.
+        *rx = None;
+        if fired {
+            return;
+        }
+    }
+    std::future::pending::<()>().await;
 }

@@ -2,8 +2,11 @@
 //! Errors name the field. `KVGATE_ENGINE_TOKEN`, `KVGATE_OPERATOR_TOKEN` and `KVGATE_HASH_SEED` in
 //! the environment override the file.
 //!
+//! The engine token is what makes the gateway's tenant, scope, priority and quota headers
+//! trustworthy: without one the engine ignores them, and it refuses to listen beyond loopback.
+//!
 //! ```toml
-//! listen = "127.0.0.1:8081"
+//! listen = "127.0.0.1:8081"                 # beyond loopback, auth.engine_token is required
 //! model = "/models/smollm2-135m-instruct"   # omit: the default model, fetched on first use
 //! model_id = "smollm2-135m-instruct"        # the name clients send; default: the directory's
 //! device = "cpu"                            # or "cuda" / "cuda:N" (builds with --features cuda)
@@ -24,6 +27,10 @@
 //! engine_token = "..."                      # required from the gateway on /v1/* and /kv/events
 //! operator_token = "..."                    # required on /admin/*
 //! ```
+//!
+//! Top level, beside `listen`: `max_body_bytes = 4194304` (largest request body) and
+//! `stalled_client_timeout_ms = 30000` (a stream whose client has not read for this long is
+//! cancelled and its KV blocks freed).
 
 use serde::Deserialize;
 use std::path::PathBuf;
@@ -50,6 +57,10 @@ pub struct EngineConfig {
     /// Largest request body, in bytes.
     #[serde(default = "default_body_limit")]
     pub max_body_bytes: usize,
+    /// How long a stream's output may wait, its buffer full, for a client that does not read,
+    /// before the request is cancelled and its blocks freed.
+    #[serde(default = "default_stalled_client_timeout_ms")]
+    pub stalled_client_timeout_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -113,6 +124,9 @@ fn default_preemption() -> String {
 }
 fn default_body_limit() -> usize {
     4 << 20
+}
+fn default_stalled_client_timeout_ms() -> u64 {
+    30_000
 }
 
 impl Default for KvSection {
@@ -207,10 +221,30 @@ impl EngineConfig {
         if let Some(seed) = &self.kv.hash_seed {
             parse_seed(seed)?;
         }
-        self.listen
+        if self.stalled_client_timeout_ms == 0 {
+            return Err("stalled_client_timeout_ms: must be positive".into());
+        }
+        if self.auth.engine_token.as_deref() == Some("") {
+            return Err("auth.engine_token (KVGATE_ENGINE_TOKEN): must not be empty".into());
+        }
+        let listen = self
+            .listen
             .parse::<std::net::SocketAddr>()
             .map_err(|e| format!("listen: {e}"))?;
+        // Without the token anyone who reaches the engine could pass as the gateway; only this
+        // machine may, so that is the one place it may run open.
+        if !listen.ip().is_loopback() && self.auth.engine_token.is_none() {
+            return Err(format!(
+                "auth.engine_token: required when listen ({listen}) is not a loopback address; \
+                 set it in the file or in KVGATE_ENGINE_TOKEN, the same token the gateway sends"
+            ));
+        }
         Ok(())
+    }
+
+    /// See [`EngineConfig::stalled_client_timeout_ms`].
+    pub fn stalled_client_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.stalled_client_timeout_ms)
     }
 
     /// The deployment seed (zeros when unset: fine for one machine, not for a fleet).
@@ -234,14 +268,21 @@ pub fn cuda_ordinal(device: &str) -> Option<usize> {
     }
 }
 
+/// 64 hex digits, byte by byte: the text may be anything from the environment (non-ASCII, a
+/// sign), so it is never sliced as a string.
 fn parse_seed(s: &str) -> Result<[u8; 32], String> {
-    let err = || "kv.hash_seed: expected 64 hex digits".to_owned();
-    if s.len() != 64 {
+    let err = || "kv.hash_seed (KVGATE_HASH_SEED): expected 64 hex digits".to_owned();
+    let digits = s.as_bytes();
+    if digits.len() != 64 {
         return Err(err());
     }
+    let nibble = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
     let mut out = [0u8; 32];
-    for (i, b) in out.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|_| err())?;
+    for (b, pair) in out.iter_mut().zip(digits.chunks_exact(2)) {
+        let (Some(hi), Some(lo)) = (nibble(pair[0]), nibble(pair[1])) else {
+            return Err(err());
+        };
+        *b = (hi << 4) | lo;
     }
     Ok(out)
 }
@@ -266,5 +307,60 @@ mod tests {
             let e = EngineConfig::parse(text).unwrap_err();
             assert!(e.contains(field), "{e} should name {field}");
         }
+    }
+
+    fn with_seed(seed: &str) -> Result<EngineConfig, String> {
+        let mut c = EngineConfig::default();
+        c.apply_env(|k| (k == "KVGATE_HASH_SEED").then(|| seed.to_owned()));
+        c.validate().map(|()| c)
+    }
+
+    #[test]
+    fn a_malformed_hash_seed_is_a_config_error() {
+        let good = "0123456789abcdefABCDEF".repeat(3)[..64].to_owned();
+        let c = with_seed(&good).unwrap();
+        assert_eq!(c.seed()[..3], [0x01, 0x23, 0x45]);
+        // 64 bytes, but a two-byte character straddles every digit pair after the first.
+        let straddling = format!("a{}a", "é".repeat(31));
+        assert_eq!(straddling.len(), 64);
+        for bad in [
+            straddling.as_str(),
+            &"é".repeat(32),
+            &"+f".repeat(32),
+            &"0x".repeat(32),
+            &"g".repeat(64),
+            &"a".repeat(63),
+        ] {
+            let e = with_seed(bad).unwrap_err();
+            assert!(e.contains("KVGATE_HASH_SEED"), "{e}");
+        }
+    }
+
+    #[test]
+    fn no_engine_token_only_on_loopback() {
+        let open = |listen: &str| {
+            let c = EngineConfig {
+                listen: listen.into(),
+                ..EngineConfig::default()
+            };
+            c.validate()
+        };
+        assert!(open("127.0.0.1:8081").is_ok());
+        assert!(open("[::1]:8081").is_ok());
+        for listen in ["0.0.0.0:8081", "[::]:8081", "10.0.0.5:8081"] {
+            let e = open(listen).unwrap_err();
+            assert!(
+                e.contains("auth.engine_token") && e.contains("KVGATE_ENGINE_TOKEN"),
+                "{e}"
+            );
+        }
+        let mut c = EngineConfig {
+            listen: "0.0.0.0:8081".into(),
+            ..EngineConfig::default()
+        };
+        c.apply_env(|k| (k == "KVGATE_ENGINE_TOKEN").then(|| "secret".to_owned()));
+        assert!(c.validate().is_ok());
+        c.auth.engine_token = Some(String::new());
+        assert!(c.validate().unwrap_err().contains("auth.engine_token"));
     }
 }

@@ -7,7 +7,7 @@ use super::ServerState;
 use crate::kv::{KvCacheManager, KvConfig};
 use crate::model::{Llama, LoadOptions, ModelConfig, ModelError};
 use crate::scheduler::{PreemptMode, Scheduler, SchedulerConfig};
-use crate::worker::Worker;
+use crate::worker::{EngineThread, Worker, DEFAULT_STALL_AFTER};
 use kvgate_kernels::{Backend, Cpu, DType};
 use kvgate_protocol::openai::Limits;
 use kvgate_protocol::prompt::PromptRenderer;
@@ -44,6 +44,14 @@ fn dtype(name: &str) -> DType {
 /// caller binds a listener and calls [`super::run`]).
 pub fn start(config: &EngineConfig, dir: &Path) -> Result<Arc<ServerState>, LaunchError> {
     config.validate().map_err(LaunchError::Config)?;
+    if config.auth.engine_token.is_none() {
+        // validate() allows this on loopback only; even there, any local process may call.
+        tracing::warn!(
+            listen = %config.listen,
+            "no engine token (auth.engine_token / KVGATE_ENGINE_TOKEN): any local process may \
+             call this engine, and tenant, scope, priority and quota headers are ignored"
+        );
+    }
     #[cfg(feature = "cuda")]
     if let Some(ordinal) = super::config::cuda_ordinal(&config.device) {
         return cuda::start(config, dir, ordinal);
@@ -135,10 +143,9 @@ fn start_on<B: Backend + 'static>(
         eos,
         metrics.clone(),
         kv_tx.clone(),
-    );
-    std::thread::Builder::new()
-        .name("kvgate-engine".into())
-        .spawn(move || worker.run(rx))
+    )
+    .with_stall_timeout(config.stalled_client_timeout());
+    let engine = EngineThread::spawn(DEFAULT_STALL_AFTER, move |beat| worker.run(rx, beat))
         .map_err(LaunchError::Thread)?;
     Ok(Arc::new(ServerState {
         model_id,
@@ -146,6 +153,7 @@ fn start_on<B: Backend + 'static>(
         vocab_size: model_config.vocab_size,
         renderer,
         commands: tx,
+        engine,
         metrics,
         kv_events: kv_tx,
         limits: Limits::default(),

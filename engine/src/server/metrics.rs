@@ -83,6 +83,8 @@ pub struct MetricsState {
     pub tenant_quota: BTreeMap<String, u64>,
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
+    /// Streams cancelled because their client stopped reading.
+    pub stalled_clients: u64,
     pub ttft: Histogram,
     pub itl: Histogram,
     pub request_duration: Histogram,
@@ -122,6 +124,7 @@ impl Metrics {
                 tenant_quota: BTreeMap::new(),
                 prompt_tokens: 0,
                 generation_tokens: 0,
+                stalled_clients: 0,
                 ttft: Histogram::new(LATENCY_BUCKETS),
                 itl: Histogram::new(LATENCY_BUCKETS),
                 request_duration: Histogram::new(DURATION_BUCKETS),
@@ -315,6 +318,14 @@ fn render(m: &MetricsState) -> String {
         "Generated tokens.",
         m.generation_tokens,
     );
+    scalar(
+        &mut o,
+        "kvgate_stalled_clients_total",
+        "counter",
+        "Streaming requests cancelled (their KV blocks freed) because the client read nothing \
+         while its output buffer stayed full for the stall timeout.",
+        m.stalled_clients,
+    );
     for (name, help, h) in [
         (
             "kvgate_time_to_first_token_seconds",
@@ -376,6 +387,7 @@ mod tests {
             "kvgate_sequences{state=\"waiting\"}",
             "kvgate_prompt_tokens_total",
             "kvgate_generation_tokens_total",
+            "kvgate_stalled_clients_total 0",
             "kvgate_time_to_first_token_seconds_bucket{le=\"0.025\"} 1",
             "kvgate_inter_token_latency_seconds_count",
             "kvgate_request_duration_seconds_sum",

@@ -47,7 +47,7 @@ struct Buckets {
     req_tat_us: u64,
     /// Tokens balance as a theoretical arrival time, unix microseconds.
     tok_tat_us: u64,
-    /// In-flight request id -> lease expiry, unix milliseconds.
+    /// In-flight lease id -> expiry, unix milliseconds.
     leases: HashMap<String, u64>,
 }
 
@@ -88,10 +88,27 @@ impl MemoryStore {
             b.req_tat_us = tat;
         }
         if req.limits.max_concurrent.is_some() {
-            b.leases
-                .insert(req.request_id.to_owned(), now_ms + req.lease_ms);
+            b.leases.insert(req.lease.to_owned(), now_ms + req.lease_ms);
+        }
+        if let Some(tpm) = req.limits.tokens_per_min {
+            charge(&mut b.tok_tat_us, now_us, req.tokens, tpm);
         }
         Ok(())
+    }
+
+    /// [`Store::renew`] at a given time (unix microseconds), for tests.
+    pub(crate) fn renew_at(&self, tenant: &str, lease: &str, lease_ms: u64, now_us: u64) {
+        let mut inner = self.lock();
+        if let Some(expiry) = inner
+            .limits
+            .get_mut(tenant)
+            .and_then(|b| b.leases.get_mut(lease))
+        {
+            let now_ms = now_us / 1000;
+            if *expiry > now_ms {
+                *expiry = now_ms + lease_ms;
+            }
+        }
     }
 
     /// [`Store::release`] at a given time (unix microseconds), for tests.
@@ -99,18 +116,23 @@ impl MemoryStore {
         &self,
         tenant: &str,
         limits: RateLimits,
-        request_id: &str,
+        lease: &str,
         tokens: u64,
         now_us: u64,
     ) {
         let mut inner = self.lock();
         let b = inner.limits.entry(tenant.to_owned()).or_default();
-        b.leases.remove(request_id);
+        b.leases.remove(lease);
         if let Some(tpm) = limits.tokens_per_min {
-            if tpm > 0 && tokens > 0 {
-                b.tok_tat_us = b.tok_tat_us.max(now_us) + token_cost_us(tokens, tpm);
-            }
+            charge(&mut b.tok_tat_us, now_us, tokens, tpm);
         }
+    }
+}
+
+/// Adds `tokens` to a tokens/min balance (its theoretical arrival time).
+fn charge(tat_us: &mut u64, now_us: u64, tokens: u64, tpm: u64) {
+    if tpm > 0 && tokens > 0 {
+        *tat_us = (*tat_us).max(now_us) + token_cost_us(tokens, tpm);
     }
 }
 
@@ -248,14 +270,19 @@ impl Store for MemoryStore {
         Ok(self.admit_at(req, now_us()))
     }
 
+    async fn renew(&self, tenant: &str, lease: &str, lease_ms: u64) -> Result<(), StoreError> {
+        self.renew_at(tenant, lease, lease_ms, now_us());
+        Ok(())
+    }
+
     async fn release(
         &self,
         tenant: &str,
         limits: RateLimits,
-        request_id: &str,
+        lease: &str,
         tokens: u64,
     ) -> Result<(), StoreError> {
-        self.release_at(tenant, limits, request_id, tokens, now_us());
+        self.release_at(tenant, limits, lease, tokens, now_us());
         Ok(())
     }
 }
@@ -284,8 +311,9 @@ mod tests {
         Admission {
             tenant,
             limits,
-            request_id: id,
+            lease: id,
             lease_ms: 30_000,
+            tokens: 0,
         }
     }
 
@@ -480,8 +508,9 @@ mod tests {
         let lease = |id, lease_ms| Admission {
             tenant: "acme",
             limits: l,
-            request_id: id,
+            lease: id,
             lease_ms,
+            tokens: 0,
         };
         assert_eq!(s.admit_at(lease("a", 30_000), T0), Ok(()));
         assert_eq!(s.admit_at(lease("b", 5_000), T0), Ok(()));
@@ -500,6 +529,34 @@ mod tests {
         // Releasing an unknown id is harmless.
         s.release_at("acme", l, "nope", 0, T0 + 5_000_000);
         s.release_at("nobody", l, "nope", 0, T0);
+    }
+
+    #[test]
+    fn store_prompt_charge_and_lease_renewal() {
+        let s = MemoryStore::new();
+        let l = limits(None, Some(1000), Some(1));
+        let first = Admission {
+            tokens: 1500,
+            lease_ms: 300,
+            ..adm("acme", l, "a")
+        };
+        assert_eq!(s.admit_at(first, T0), Ok(()));
+        s.renew_at("acme", "a", 30_000, T0 + 200_000);
+        s.release_at("acme", l, "a", 0, T0 + 1_000_000);
+        // Released (the renewal kept it past 300 ms), but the 1500 prompt tokens stay charged.
+        assert!(matches!(
+            s.admit_at(adm("acme", l, "b"), T0 + 1_000_000),
+            Err(Refusal::Tokens { .. })
+        ));
+        // A lapsed lease is not renewed back.
+        let l2 = limits(None, None, Some(1));
+        let short = Admission {
+            lease_ms: 100,
+            ..adm("beta", l2, "x")
+        };
+        assert_eq!(s.admit_at(short, T0), Ok(()));
+        s.renew_at("beta", "x", 30_000, T0 + 200_000);
+        assert_eq!(s.admit_at(adm("beta", l2, "y"), T0 + 200_000), Ok(()));
     }
 
     #[test]

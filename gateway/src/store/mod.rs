@@ -7,10 +7,12 @@
 //! - requests/min: GCRA, one request per 60/rpm s on average with a burst of up to `rpm` at once
 //!   (so a minute that starts with a full burst may admit up to 2·rpm - 1; over any longer span
 //!   the rate never exceeds rpm per minute);
-//! - tokens/min: a GCRA balance charged after the fact with the final usage; a request is admitted
-//!   while the balance is not in debt;
-//! - concurrency: a set of in-flight request ids with lease expiry (a crashed gateway's leases
-//!   lapse instead of leaking slots).
+//! - tokens/min: a GCRA balance; a request is admitted while the balance is not in debt, its
+//!   prompt tokens are charged in the same step, and the tokens it generated are charged when it
+//!   ends, however it ends (so leaving a stream early does not escape the charge);
+//! - concurrency: a set of in-flight leases with expiry. A lease id is made by the gateway, never
+//!   taken from the client (one client id sent N times must still hold N slots); a live request
+//!   renews its lease, and a crashed gateway's leases lapse instead of leaking slots.
 
 mod memory;
 mod redis;
@@ -68,11 +70,18 @@ impl Refusal {
 pub struct Admission<'a> {
     pub tenant: &'a str,
     pub limits: RateLimits,
-    /// Unique per request; released with [`Store::release`].
-    pub request_id: &'a str,
-    /// How long the concurrency slot is held if never released (the request timeout).
+    /// The request's lease id, made by the gateway and unique per request; renewed with
+    /// [`Store::renew`] and released with [`Store::release`].
+    pub lease: &'a str,
+    /// How long the concurrency slot is held unless renewed or released.
     pub lease_ms: u64,
+    /// Tokens charged to tokens/min when admitted (the prompt's, known before it runs).
+    pub tokens: u64,
 }
+
+/// What a gateway does with a tenant change heard from another replica; returns false to stop
+/// following.
+pub type OnTenantChange = std::sync::Arc<dyn Fn(Option<&str>) -> bool + Send + Sync>;
 
 #[async_trait]
 pub trait Store: Send + Sync + std::fmt::Debug + 'static {
@@ -102,13 +111,32 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     /// Admits one request against all three limits atomically, or refuses it without charging
     /// anything.
     async fn admit(&self, req: Admission<'_>) -> Result<Result<(), Refusal>, StoreError>;
-    /// Ends a request: frees its concurrency slot and charges `tokens` (prompt + completion) to
-    /// the tenant's tokens/min balance.
+    /// Tells every gateway replica that a tenant changed (its record, limits, scope or keys), so
+    /// they drop what they cached of it. A single-process store has no one to tell.
+    async fn publish_tenant_change(&self, _tenant: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// Follows the changes other replicas publish, calling `on_change(Some(tenant))` for each
+    /// and `on_change(None)` when some may have been missed (after a reconnection), until
+    /// `on_change` returns false. `None` when the store has no other replicas to hear from.
+    fn follow_tenant_changes(
+        &self,
+        _on_change: OnTenantChange,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        None
+    }
+
+    /// Extends a live request's concurrency lease to `lease_ms` from now (nothing when the lease
+    /// is gone: a lapsed lease is not brought back).
+    async fn renew(&self, tenant: &str, lease: &str, lease_ms: u64) -> Result<(), StoreError>;
+    /// Ends a request: frees its concurrency slot and charges `tokens` (those not charged at
+    /// admission: the completion's) to the tenant's tokens/min balance.
     async fn release(
         &self,
         tenant: &str,
         limits: RateLimits,
-        request_id: &str,
+        lease: &str,
         tokens: u64,
     ) -> Result<(), StoreError>;
 }

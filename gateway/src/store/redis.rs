@@ -9,9 +9,9 @@
 //! - `kvgate:engine:{name}` (JSON [`EngineRecord`]) and the set `kvgate:engines` of names;
 //! - `kvgate:rl:{tenant}:req` and `kvgate:rl:{tenant}:tok`: GCRA theoretical arrival times in
 //!   unix microseconds (Redis server time), expiring when they fall into the past;
-//!   `kvgate:rl:{tenant}:conc`: a sorted set of request id -> lease expiry (unix milliseconds).
+//!   `kvgate:rl:{tenant}:conc`: a sorted set of lease id -> expiry (unix milliseconds).
 //!
-//! Rate limits: `admit` and `release` are one Lua script each, so the check and the charge are
+//! Rate limits: `admit`, `renew` and `release` are one Lua script each, so the check and the charge are
 //! atomic across replicas, and both read the clock with `redis.call('TIME')` so replicas with
 //! skewed clocks agree. The arithmetic mirrors `memory.rs` exactly:
 //! - requests/min: GCRA, emission interval `T = 60000/rpm` ms (rounded up to a whole
@@ -21,11 +21,12 @@
 //!   also sees that minute's refill, so it can hold up to `2 * rpm - 1`; capping every sliding
 //!   minute at `rpm` as well would need a log of each request, not one number.) A refusal's
 //!   `retry_after_ms` is when the next slot frees.
-//! - tokens/min: a GCRA balance charged after the fact: admit while `TAT - now <= 60000` ms
-//!   (at most one minute's worth in debt); `release` sets `TAT = max(TAT, now) +
-//!   tokens * 60000 / tpm` ms. A refusal waits until the debt is back under a minute.
+//! - tokens/min: a GCRA balance: admit while `TAT - now <= 60000` ms (at most one minute's worth
+//!   in debt); a charge of `n` tokens sets `TAT = max(TAT, now) + n * 60000 / tpm` ms. The
+//!   prompt is charged by `admit` itself, the completion by `release`. A refusal waits until the
+//!   debt is back under a minute.
 //! - concurrency: drop lapsed leases (`ZREMRANGEBYSCORE`), admit when `ZCARD < max`, then
-//!   `ZADD request_id now + lease_ms`; a refusal asks for 1000 ms.
+//!   `ZADD lease now + lease_ms`; `renew` moves a live lease's expiry; a refusal asks for 1000 ms.
 //!
 //! Checks run in that order and a refusal charges nothing (dropping lapsed leases is not a
 //! charge). A limit of `None` skips its check; `Some(0)` refuses everything. A limit of zero
@@ -37,7 +38,7 @@
 //! primary (with replicas), not Redis Cluster.
 
 use super::memory::{sort_keys, MAX_CHARGED_TOKENS};
-use super::{Admission, Refusal, Store, StoreError, SCHEMA_VERSION};
+use super::{Admission, OnTenantChange, Refusal, Store, StoreError, SCHEMA_VERSION};
 use crate::tenant::{EngineRecord, KeyHash, KeyRecord, RateLimits, Tenant};
 use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -90,13 +91,20 @@ local function ceil_div(a, b)
 end
 local function ms(us) return ceil_div(us, 1000) end
 local function int(x) return string.format('%d', x) end
+local function charge(key, tpm, tokens)
+  if tpm <= 0 or tokens <= 0 then return end
+  local tat = tonumber(redis.call('GET', key) or '0')
+  if tat < now then tat = now end
+  tat = tat + ceil_div(tokens * MINUTE, tpm)
+  redis.call('SET', key, int(tat), 'PX', int(ms(tat - now)))
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now_ms = math.floor(now / 1000)
 ";
 
-/// KEYS: req, tok, conc. ARGV: rpm, tpm, max concurrent (-1: no limit), request id, lease ms.
-/// Returns {0, 0} when admitted, else {1 requests | 2 tokens | 3 concurrency, retry after ms}.
+/// KEYS: req, tok, conc. ARGV: rpm, tpm, max concurrent (-1: no limit), lease id, lease ms,
+/// tokens charged on admission. Returns {0, 0} when admitted, else {1 requests | 2 tokens | 3 concurrency, retry after ms}.
 const ADMIT_LUA: &str = r"
 local rpm, tpm, maxc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local req_tat = nil
@@ -126,19 +134,27 @@ if maxc >= 0 then
   local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
   redis.call('PEXPIRE', KEYS[3], int(math.max(tonumber(last[2]) - now_ms, 0) + 1))
 end
+charge(KEYS[2], tpm, tonumber(ARGV[6]))
 return {0, 0}
+";
+
+/// KEYS: conc. ARGV: lease id, lease ms. Moves a live lease's expiry to now + lease ms; a lease
+/// that lapsed or was released is left gone.
+const RENEW_LUA: &str = r"
+local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not expiry or tonumber(expiry) <= now_ms then return 0 end
+local until_ms = now_ms + tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], int(until_ms), ARGV[1])
+if redis.call('PTTL', KEYS[1]) < until_ms - now_ms + 1 then
+  redis.call('PEXPIRE', KEYS[1], int(until_ms - now_ms + 1))
+end
+return 1
 ";
 
 /// KEYS: tok, conc. ARGV: tpm (-1: no limit), request id, tokens.
 const RELEASE_LUA: &str = r"
 redis.call('ZREM', KEYS[2], ARGV[2])
-local tpm, tokens = tonumber(ARGV[1]), tonumber(ARGV[3])
-if tpm > 0 and tokens > 0 then
-  local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
-  if tat < now then tat = now end
-  tat = tat + ceil_div(tokens * MINUTE, tpm)
-  redis.call('SET', KEYS[1], int(tat), 'PX', int(ms(tat - now)))
-end
+charge(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[3]))
 return 1
 ";
 
@@ -157,9 +173,12 @@ return redis.call('DEL', KEYS[1])
 #[derive(Clone)]
 pub struct RedisStore {
     conn: ConnectionManager,
+    /// For the pub/sub connection that follows tenant changes.
+    client: redis::Client,
     /// Host and port only: a URL may carry a password.
     addr: String,
     admit: Script,
+    renew: Script,
     release: Script,
     delete_tenant: Script,
 }
@@ -208,15 +227,17 @@ impl RedisStore {
             .set_response_timeout(IO_TIMEOUT)
             .set_number_of_retries(0);
         let conn = deadline(async {
-            ConnectionManager::new_with_config(client, config)
+            ConnectionManager::new_with_config(client.clone(), config)
                 .await
                 .map_err(unavailable)
         })
         .await?;
         Ok(RedisStore {
             conn,
+            client,
             addr,
             admit: Script::new(&format!("{LUA_HELPERS}{ADMIT_LUA}")),
+            renew: Script::new(&format!("{LUA_HELPERS}{RENEW_LUA}")),
             release: Script::new(&format!("{LUA_HELPERS}{RELEASE_LUA}")),
             delete_tenant: Script::new(DELETE_TENANT_LUA),
         })
@@ -289,8 +310,66 @@ async fn deadline<T>(f: impl Future<Output = Result<T, StoreError>>) -> Result<T
         })
 }
 
+/// The pub/sub channel on which replicas announce tenant changes (payload: the tenant id).
+const CHANGES_CHANNEL: &str = "kvgate:changes:tenants";
+
+/// Follows [`CHANGES_CHANNEL`], reconnecting with backoff; every (re)subscription reports
+/// `None` first, since changes may have been published while no one listened.
+async fn follow_changes(client: redis::Client, addr: String, on_change: OnTenantChange) {
+    use futures_util::StreamExt;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let subscribed = async {
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.subscribe(CHANGES_CHANNEL).await?;
+            Ok::<_, RedisError>(pubsub)
+        };
+        match tokio::time::timeout(CALL_TIMEOUT, subscribed).await {
+            Ok(Ok(pubsub)) => {
+                pause = Duration::from_millis(100);
+                if !on_change(None) {
+                    return;
+                }
+                let mut messages = pubsub.into_on_message();
+                while let Some(msg) = messages.next().await {
+                    let tenant: String = msg.get_payload().unwrap_or_default();
+                    if !on_change(Some(&tenant)) {
+                        return;
+                    }
+                }
+                tracing::warn!(%addr, "tenant-change subscription ended; reconnecting");
+            }
+            Ok(Err(e)) => tracing::warn!(%addr, error = %e, "cannot follow tenant changes"),
+            Err(_) => tracing::warn!(%addr, "cannot follow tenant changes: no answer"),
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
+}
+
 #[async_trait]
 impl Store for RedisStore {
+    async fn publish_tenant_change(&self, tenant: &str) -> Result<(), StoreError> {
+        let tenant = tenant.to_owned();
+        self.call(|mut c| async move {
+            redis::cmd("PUBLISH")
+                .arg(CHANGES_CHANNEL)
+                .arg(tenant)
+                .query_async::<i64>(&mut c)
+                .await
+        })
+        .await
+        .map(drop)
+    }
+
+    fn follow_tenant_changes(
+        &self,
+        on_change: OnTenantChange,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        let (client, addr) = (self.client.clone(), self.addr.clone());
+        Some(tokio::spawn(follow_changes(client, addr, on_change)))
+    }
+
     async fn schema_version(&self) -> Result<u32, StoreError> {
         let v: Option<String> = self
             .call(|mut c| async move { c.get(SCHEMA_KEY).await })
@@ -476,14 +555,16 @@ impl Store for RedisStore {
                     .map(|v| i64::try_from(v).unwrap_or(i64::MAX)),
             ),
             limit_arg(l.max_concurrent),
-            req.request_id.to_owned(),
+            req.lease.to_owned(),
             req.lease_ms,
+            req.tokens.min(MAX_CHARGED_TOKENS),
         );
         let (code, retry_after_ms): (u32, u64) = self
             .call(|mut c| async move {
                 let mut inv = script.prepare_invoke();
                 inv.key(&keys[..]).arg(args.0).arg(args.1).arg(args.2);
-                inv.arg(args.3).arg(args.4).invoke_async(&mut c).await
+                inv.arg(args.3).arg(args.4).arg(args.5);
+                inv.invoke_async(&mut c).await
             })
             .await?;
         Ok(match code {
@@ -494,11 +575,24 @@ impl Store for RedisStore {
         })
     }
 
+    async fn renew(&self, tenant: &str, lease: &str, lease_ms: u64) -> Result<(), StoreError> {
+        let script = self.renew.clone();
+        let key = rl_key(tenant, "conc");
+        let lease = lease.to_owned();
+        self.call(|mut c| async move {
+            let mut inv = script.prepare_invoke();
+            inv.key(&key).arg(&lease).arg(lease_ms);
+            inv.invoke_async::<i64>(&mut c).await
+        })
+        .await
+        .map(drop)
+    }
+
     async fn release(
         &self,
         tenant: &str,
         limits: RateLimits,
-        request_id: &str,
+        lease: &str,
         tokens: u64,
     ) -> Result<(), StoreError> {
         let script = self.release.clone();
@@ -508,7 +602,7 @@ impl Store for RedisStore {
                 .tokens_per_min
                 .map(|v| i64::try_from(v).unwrap_or(i64::MAX)),
         );
-        let id = request_id.to_owned();
+        let id = lease.to_owned();
         let tokens = tokens.min(MAX_CHARGED_TOKENS);
         self.call(|mut c| async move {
             let mut inv = script.prepare_invoke();

@@ -3,11 +3,17 @@
 //! A streamed answer is relayed event by event as it arrives (nothing but an incomplete SSE event
 //! is ever held back). The gateway waits for the engine's first event before answering the
 //! client, so an engine that fails before producing anything is retried elsewhere; once the first
-//! byte is out, a broken upstream ends the client's stream with an SSE error event. The usage the
-//! engine reports at the end is what the tenant's tokens/min is charged; the gateway always asks
-//! the engine for it and drops the usage chunk again when the client did not ask for it. When the
-//! client goes away, dropping the relay drops the upstream connection, which cancels the request
-//! on the engine.
+//! byte is out, a broken upstream ends the client's stream with an SSE error event, and every
+//! stream ends with `[DONE]`. What was served is counted as it is relayed (a chunk with a choice
+//! is a token), and the usage the engine reports at the end, when it gets that far, replaces the
+//! count; the gateway always asks the engine for usage and drops the usage chunk again when the
+//! client did not ask for it. When the client goes away, dropping the relay drops the upstream
+//! connection, which cancels the request on the engine.
+//!
+//! Only the engine's own faults count against its circuit breaker: connect errors, a first byte
+//! that never comes, a stream that breaks, and a 5xx the engine marks as its own
+//! (`x-kvgate-fault: engine`). Anything else an engine answers is the request's own outcome and
+//! goes back to the client as it is.
 
 use super::{Engine, HttpClient};
 use bytes::{Bytes, BytesMut};
@@ -43,16 +49,34 @@ pub enum Outcome {
         headers: hyper::HeaderMap,
         relay: SseRelay,
     },
-    /// A whole answer (JSON), with the tokens it used when it reports usage.
+    /// A whole answer (JSON), with the usage it reports.
     Whole {
         status: StatusCode,
         headers: hyper::HeaderMap,
         body: Bytes,
-        tokens: u64,
+        usage: Option<Usage>,
     },
     /// Nothing reached the client; another engine may take the request. `failure` says whether
     /// it counts against the engine's circuit breaker (an engine that answers "draining" is fine).
     Retry { why: String, failure: bool },
+    /// No first byte within the attempt's time.
+    TimedOut,
+}
+
+/// The header by which an engine marks a 5xx as its own fault (not the request's).
+pub const FAULT_HEADER: &str = "x-kvgate-fault";
+
+/// Token counts an engine reports (`usage`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt: u64,
+    pub completion: u64,
+}
+
+impl Usage {
+    pub fn total(self) -> u64 {
+        self.prompt + self.completion
+    }
 }
 
 /// Largest whole answer relayed.
@@ -65,13 +89,9 @@ pub async fn attempt(
     fwd: &Forward,
     first_byte: Duration,
 ) -> Outcome {
-    match tokio::time::timeout(first_byte, attempt_inner(client, engine, fwd)).await {
-        Ok(o) => o,
-        Err(_) => Outcome::Retry {
-            why: "timed out before the first byte".into(),
-            failure: true,
-        },
-    }
+    tokio::time::timeout(first_byte, attempt_inner(client, engine, fwd))
+        .await
+        .unwrap_or(Outcome::TimedOut)
 }
 
 async fn attempt_inner(client: &HttpClient, engine: &Engine, fwd: &Forward) -> Outcome {
@@ -102,7 +122,13 @@ async fn attempt_inner(client: &HttpClient, engine: &Engine, fwd: &Forward) -> O
         }
     };
     let status = resp.status();
-    if status == StatusCode::SERVICE_UNAVAILABLE || status.is_server_error() {
+    let engine_fault = resp
+        .headers()
+        .get(FAULT_HEADER)
+        .is_some_and(|v| v.as_bytes() == b"engine");
+    if status == StatusCode::SERVICE_UNAVAILABLE || (status.is_server_error() && engine_fault) {
+        // Draining or over capacity (503), or a fault of the engine's own: another engine may
+        // serve the request. Only the latter counts against this engine.
         return Outcome::Retry {
             why: format!("engine answered {status}"),
             failure: status != StatusCode::SERVICE_UNAVAILABLE,
@@ -130,12 +156,12 @@ async fn attempt_inner(client: &HttpClient, engine: &Engine, fwd: &Forward) -> O
         match Limited::new(body, MAX_WHOLE).collect().await {
             Ok(c) => {
                 let body = c.to_bytes();
-                let tokens = usage_tokens(&body).unwrap_or(0);
+                let usage = usage(&body);
                 Outcome::Whole {
                     status,
                     headers,
                     body,
-                    tokens,
+                    usage,
                 }
             }
             Err(e) => Outcome::Retry {
@@ -157,20 +183,19 @@ fn relay_headers(from: &hyper::HeaderMap) -> hyper::HeaderMap {
     out
 }
 
-/// `usage.prompt_tokens + usage.completion_tokens` of a JSON answer or chunk (`None` when it is
-/// not a JSON object or has no `usage`; a count that is not a number counts 0).
+/// `usage.prompt_tokens` and `usage.completion_tokens` of a JSON answer or chunk (`None` when it
+/// is not a JSON object or has no `usage`; a count that is not a number counts 0).
 ///
 /// Runs on every answer, so only `usage` is kept: the rest of the document is checked and
 /// skipped without building a tree (`serde_json::Value` would allocate every field).
-pub fn usage_tokens(json: &[u8]) -> Option<u64> {
+pub fn usage(json: &[u8]) -> Option<Usage> {
     let doc: UsageDoc = serde_json::from_slice(json).ok()?;
     let u = doc.0.filter(|u| !u.is_null())?;
-    let p = u.get("prompt_tokens").and_then(|x| x.as_u64()).unwrap_or(0);
-    let c = u
-        .get("completion_tokens")
-        .and_then(|x| x.as_u64())
-        .unwrap_or(0);
-    Some(p + c)
+    let count = |name: &str| u.get(name).and_then(|x| x.as_u64()).unwrap_or(0);
+    Some(Usage {
+        prompt: count("prompt_tokens"),
+        completion: count("completion_tokens"),
+    })
 }
 
 /// A JSON object's `usage` member (the last one, as `serde_json::Value` keeps); every other
@@ -226,51 +251,66 @@ impl<'de> serde::Deserialize<'de> for IsUsage {
 /// How a relayed stream ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamEnd {
-    /// The engine finished it (`[DONE]`).
+    /// The engine finished it (`[DONE]`), possibly with an error event of its own before.
     Clean,
-    /// The engine's stream broke or ended early.
+    /// The engine's stream broke or ended early: an engine fault.
     Broken,
     /// The client went away first.
     ClientGone,
 }
 
-/// Called once when a relayed stream ends, however it ends, with the tokens it used (0 if the
-/// engine never reported usage).
-pub type OnEnd = Box<dyn FnOnce(u64, StreamEnd) + Send + Sync>;
+/// What a stream served, as far as the gateway saw it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Served {
+    /// The engine's final usage, when the stream got that far.
+    pub usage: Option<Usage>,
+    /// Chunks relayed that carried a choice (one generated token each).
+    pub chunks: u64,
+}
+
+impl Served {
+    /// Completion tokens served: the engine's count when it reported one, else the relayed
+    /// chunks (never less than what went out).
+    pub fn completion(self) -> u64 {
+        self.usage
+            .map_or(self.chunks, |u| u.completion.max(self.chunks))
+    }
+}
+
+/// Called once when a relayed stream ends, however it ends, with what it served.
+pub type OnEnd = Box<dyn FnOnce(Served, StreamEnd) + Send + Sync>;
 
 /// Relays an engine's SSE stream event by event.
 pub struct SseRelay {
     inner: Incoming,
-    /// Bytes of an event not yet complete.
-    partial: BytesMut,
+    /// The stream's events so far: what was served, whether it ended.
+    events: SseEvents,
     /// Complete events ready to go out.
     ready: Option<Bytes>,
-    wants_usage: bool,
-    tokens: u64,
     done: bool,
-    clean: bool,
     on_end: Option<OnEnd>,
 }
 
 impl std::fmt::Debug for SseRelay {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SseRelay")
-            .field("tokens", &self.tokens)
+            .field("served", &self.events.served())
             .field("done", &self.done)
             .finish()
     }
 }
 
+/// Longest incomplete event held while waiting for its end; an engine never sends one this
+/// long, so past it the stream is treated as broken rather than buffered without bound.
+pub const MAX_EVENT_BYTES: usize = 1 << 20;
+
 impl SseRelay {
     fn new(inner: Incoming, wants_usage: bool) -> Self {
         SseRelay {
             inner,
-            partial: BytesMut::new(),
+            events: SseEvents::new(wants_usage),
             ready: None,
-            wants_usage,
-            tokens: 0,
             done: false,
-            clean: false,
             on_end: None,
         }
     }
@@ -282,6 +322,9 @@ impl SseRelay {
                 Some(Ok(frame)) => {
                     if let Ok(data) = frame.into_data() {
                         self.take(&data);
+                    }
+                    if self.events.buffered() > MAX_EVENT_BYTES {
+                        return Err("the engine sent an oversized event".into());
                     }
                 }
                 Some(Err(e)) => return Err(format!("stream broke before the first event: {e}")),
@@ -296,13 +339,98 @@ impl SseRelay {
         self.on_end = Some(f);
     }
 
-    /// Splits `data` into complete events, notes usage, drops usage-only chunks the client did
-    /// not ask for, and queues the rest.
+    /// Queues the complete events of `data` (see [`SseEvents::push`]).
     fn take(&mut self, data: &[u8]) {
+        if let Some(out) = self.events.push(data) {
+            self.ready = Some(match self.ready.take() {
+                Some(prev) => {
+                    let mut joined = BytesMut::from(&prev[..]);
+                    joined.extend_from_slice(&out);
+                    joined.freeze()
+                }
+                None => out,
+            });
+        }
+    }
+
+    /// The upstream is over (closed, broken, or oversized): queue the stream's last words and
+    /// settle. An engine that already sent its own error event gets `[DONE]` added if it left it
+    /// out, and no second error; otherwise an early end is the engine's fault.
+    fn close(&mut self, why: &str) {
+        let end = if self.events.clean() || self.events.engine_error() {
+            StreamEnd::Clean
+        } else {
+            StreamEnd::Broken
+        };
+        let tail = if self.events.clean() {
+            None
+        } else if self.events.engine_error() {
+            Some(Bytes::from_static(b"data: [DONE]\n\n"))
+        } else {
+            tracing::warn!(why, "engine stream ended early");
+            let err = ApiError::new(
+                ErrorCode::ServiceUnavailable,
+                "The engine serving this request failed mid-stream.",
+            );
+            Some(Bytes::from(format!("{}data: [DONE]\n\n", err.to_sse())))
+        };
+        if let Some(tail) = tail {
+            self.ready = Some(match self.ready.take() {
+                Some(prev) => [prev, tail].concat().into(),
+                None => tail,
+            });
+        }
+        self.finish(end);
+    }
+
+    fn finish(&mut self, end: StreamEnd) {
+        self.done = true;
+        if let Some(f) = self.on_end.take() {
+            f(self.events.served(), end);
+        }
+    }
+}
+
+/// An engine's SSE stream, split into events as its bytes arrive; no IO, so it runs (and is
+/// fuzzed) without a live body.
+///
+/// Each [`push`](SseEvents::push) appends to the incomplete event held back and returns the
+/// complete events (`...\n\n`) to relay, byte for byte, except: a usage-only chunk (a `usage`
+/// and `"choices":[]`) when the client did not ask for usage, and anything after `[DONE]`. On the
+/// way it counts chunks with a choice, keeps the last usage reported, and notes `[DONE]` and an
+/// error event of the engine's own. Each push costs O(bytes held + bytes pushed).
+#[derive(Debug, Default)]
+pub struct SseEvents {
+    /// Bytes of an event not yet complete.
+    partial: BytesMut,
+    wants_usage: bool,
+    served: Served,
+    /// The engine sent `[DONE]`.
+    clean: bool,
+    /// The engine sent an error event of its own: its stream is over, however it closes.
+    engine_error: bool,
+}
+
+impl SseEvents {
+    /// A stream not yet started; `wants_usage`: the client asked for the usage chunk.
+    pub fn new(wants_usage: bool) -> Self {
+        SseEvents {
+            wants_usage,
+            ..SseEvents::default()
+        }
+    }
+
+    /// Splits `data` into complete events, counts what they serve, drops usage-only chunks the
+    /// client did not ask for, and returns the rest (`None` when nothing is complete to relay).
+    pub fn push(&mut self, data: &[u8]) -> Option<Bytes> {
         self.partial.extend_from_slice(data);
         let mut out = BytesMut::new();
-        while let Some(end) = self.partial.windows(2).position(|w| w == b"\n\n") {
+        while let Some(end) = find(&self.partial, b"\n\n") {
             let event = self.partial.split_to(end + 2);
+            if self.clean {
+                // Nothing after `[DONE]` is relayed.
+                continue;
+            }
             let payload = event
                 .strip_prefix(b"data: ")
                 .or_else(|| event.strip_prefix(b"data:"))
@@ -310,39 +438,58 @@ impl SseRelay {
             if let Some(p) = payload {
                 if p == b"[DONE]" {
                     self.clean = true;
-                } else if contains(p, b"\"usage\"") {
-                    if let Some(t) = usage_tokens(p) {
-                        self.tokens = t;
-                        if !self.wants_usage && contains(p, b"\"choices\":[]") {
+                } else if p.starts_with(b"{\"error\"") {
+                    self.engine_error = true;
+                } else if contains(p, b"\"usage\"") && usage(p).is_some() {
+                    self.served.usage = usage(p);
+                    if contains(p, b"\"choices\":[]") {
+                        if !self.wants_usage {
                             continue;
                         }
+                    } else {
+                        self.served.chunks += 1;
                     }
+                } else if contains(p, b"\"choices\":[{") {
+                    self.served.chunks += 1;
                 }
             }
             out.extend_from_slice(&event);
         }
-        if !out.is_empty() {
-            match self.ready.take() {
-                Some(prev) => {
-                    let mut joined = BytesMut::from(&prev[..]);
-                    joined.extend_from_slice(&out);
-                    self.ready = Some(joined.freeze());
-                }
-                None => self.ready = Some(out.freeze()),
-            }
-        }
+        (!out.is_empty()).then(|| out.freeze())
     }
 
-    fn finish(&mut self, end: StreamEnd) {
-        self.done = true;
-        if let Some(f) = self.on_end.take() {
-            f(self.tokens, end);
-        }
+    /// What the events so far served.
+    pub fn served(&self) -> Served {
+        self.served
+    }
+
+    /// The engine sent `[DONE]`: nothing after it is relayed.
+    pub fn clean(&self) -> bool {
+        self.clean
+    }
+
+    /// The engine sent an error event of its own.
+    pub fn engine_error(&self) -> bool {
+        self.engine_error
+    }
+
+    /// Bytes held back: the start of an event not yet complete.
+    pub fn buffered(&self) -> usize {
+        self.partial.len()
+    }
+
+    /// Drops the bytes held back (an oversized event that will never be relayed).
+    pub fn clear_buffer(&mut self) {
+        self.partial.clear();
     }
 }
 
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle)
+    find(hay, needle).is_some()
 }
 
 impl Body for SseRelay {
@@ -366,31 +513,19 @@ impl Body for SseRelay {
                     if let Ok(data) = frame.into_data() {
                         self.take(&data);
                     }
-                }
-                Poll::Ready(Some(Err(e))) => {
-                    tracing::warn!(error = %e, "engine stream broke mid-response");
-                    let err = ApiError::new(
-                        ErrorCode::ServiceUnavailable,
-                        "The engine serving this request failed mid-stream.",
-                    );
-                    self.ready = Some(Bytes::from(format!("{}data: [DONE]\n\n", err.to_sse())));
-                    self.finish(StreamEnd::Broken);
-                }
-                Poll::Ready(None) => {
-                    let end = if self.clean {
-                        StreamEnd::Clean
-                    } else {
-                        StreamEnd::Broken
-                    };
-                    if !self.clean {
-                        let err = ApiError::new(
-                            ErrorCode::ServiceUnavailable,
-                            "The engine serving this request closed the stream early.",
-                        );
-                        self.ready = Some(Bytes::from(format!("{}data: [DONE]\n\n", err.to_sse())));
+                    if self.events.clean() {
+                        // `[DONE]` is the last event: settle now rather than when the engine
+                        // closes its side (read to its end still, so the connection is reused).
+                        if let Some(f) = self.on_end.take() {
+                            f(self.events.served(), StreamEnd::Clean);
+                        }
+                    } else if self.events.buffered() > MAX_EVENT_BYTES {
+                        self.events.clear_buffer();
+                        self.close("oversized event");
                     }
-                    self.finish(end);
                 }
+                Poll::Ready(Some(Err(e))) => self.close(&e.to_string()),
+                Poll::Ready(None) => self.close("closed before [DONE]"),
             }
         }
     }
@@ -400,7 +535,7 @@ impl Drop for SseRelay {
     fn drop(&mut self) {
         // The client went away (or the stream ended): settle the request exactly once.
         if let Some(f) = self.on_end.take() {
-            f(self.tokens, StreamEnd::ClientGone);
+            f(self.events.served(), StreamEnd::ClientGone);
         }
     }
 }
@@ -431,7 +566,11 @@ pub fn stream_response(
 
 #[cfg(test)]
 mod tests {
-    use super::usage_tokens;
+    use super::usage;
+
+    fn usage_tokens(json: &[u8]) -> Option<u64> {
+        usage(json).map(super::Usage::total)
+    }
 
     /// The previous implementation (a whole `serde_json::Value`), as the reference.
     fn reference(json: &[u8]) -> Option<u64> {

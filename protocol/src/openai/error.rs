@@ -35,6 +35,8 @@ pub enum ErrorCode {
     NotFound,
     /// 405: the path exists, the method does not.
     MethodNotAllowed,
+    /// 408: the client sent its request too slowly.
+    RequestTimeout,
     /// 413: the body is over the limit.
     RequestTooLarge,
     /// 429: a rate limit or concurrency limit was hit.
@@ -67,6 +69,7 @@ impl ErrorCode {
             ErrorCode::UnknownUrl => "unknown_url",
             ErrorCode::NotFound => "not_found",
             ErrorCode::MethodNotAllowed => "method_not_allowed",
+            ErrorCode::RequestTimeout => "request_timeout",
             ErrorCode::RequestTooLarge => "request_too_large",
             ErrorCode::RateLimitExceeded => "rate_limit_exceeded",
             ErrorCode::InternalError => "internal_error",
@@ -90,6 +93,7 @@ impl ErrorCode {
             ErrorCode::PermissionDenied => 403,
             ErrorCode::ModelNotFound | ErrorCode::UnknownUrl | ErrorCode::NotFound => 404,
             ErrorCode::MethodNotAllowed => 405,
+            ErrorCode::RequestTimeout => 408,
             ErrorCode::RequestTooLarge => 413,
             ErrorCode::RateLimitExceeded => 429,
             ErrorCode::InternalError => 500,
@@ -276,6 +280,11 @@ impl ApiError {
     /// 503: not ready, or over capacity.
     pub fn unavailable(message: impl Into<String>) -> Self {
         ApiError::new(ErrorCode::ServiceUnavailable, message).with_retry_after(1)
+    }
+
+    /// 408: the client took too long to send its request.
+    pub fn request_timeout(message: impl Into<String>) -> Self {
+        ApiError::new(ErrorCode::RequestTimeout, message)
     }
 
     /// 504: the request timed out.

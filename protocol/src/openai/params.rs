@@ -19,6 +19,11 @@ pub struct Limits {
     pub max_stop: usize,
     /// Longest stop string, in bytes.
     pub max_stop_len: usize,
+    /// Most `stop_token_ids`. Each is checked on every generated token, and masked until
+    /// `min_tokens`: a list as long as the vocabulary would leave nothing to sample.
+    pub max_stop_token_ids: usize,
+    /// Most `logit_bias` entries (OpenAI's limit); each is applied on every generated token.
+    pub max_logit_bias: usize,
 }
 
 impl Default for Limits {
@@ -28,6 +33,8 @@ impl Default for Limits {
             max_logprobs: MAX_LOGPROBS,
             max_stop: 16,
             max_stop_len: 256,
+            max_stop_token_ids: 256,
+            max_logit_bias: 300,
         }
     }
 }

@@ -158,9 +158,9 @@ impl RawSampling<'_> {
             presence_penalty,
             frequency_penalty,
             repetition_penalty,
-            logit_bias: self.logit_bias()?,
+            logit_bias: self.logit_bias(limits)?,
             stop: self.stop(limits)?,
-            stop_token_ids: self.stop_token_ids.map(<[u32]>::to_vec).unwrap_or_default(),
+            stop_token_ids: self.stop_token_ids(limits)?,
             max_tokens,
             min_tokens,
             n,
@@ -210,10 +210,20 @@ impl RawSampling<'_> {
         }
     }
 
-    fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
+    fn logit_bias(&self, limits: &Limits) -> Result<Vec<(u32, f32)>, ApiError> {
         let Some(map) = self.logit_bias else {
             return Ok(Vec::new());
         };
+        if map.len() > limits.max_logit_bias {
+            return Err(ApiError::invalid_value(
+                "logit_bias",
+                format!(
+                    "Invalid 'logit_bias': at most {} tokens may be biased, got {}.",
+                    limits.max_logit_bias,
+                    map.len()
+                ),
+            ));
+        }
         let mut out = Vec::with_capacity(map.len());
         for (key, &bias) in map {
             let Ok(id) = key.trim().parse::<u32>() else {
@@ -235,6 +245,26 @@ impl RawSampling<'_> {
         out.sort_by_key(|&(id, _)| id);
         out.dedup_by_key(|&mut (id, _)| id);
         Ok(out)
+    }
+
+    /// Distinct, sorted stop token ids, at most [`Limits::max_stop_token_ids`] of them (counted
+    /// as sent, so the check costs nothing before it fails).
+    fn stop_token_ids(&self, limits: &Limits) -> Result<Vec<u32>, ApiError> {
+        let ids = self.stop_token_ids.unwrap_or_default();
+        if ids.len() > limits.max_stop_token_ids {
+            return Err(ApiError::invalid_value(
+                "stop_token_ids",
+                format!(
+                    "Invalid 'stop_token_ids': at most {} token ids are allowed, got {}.",
+                    limits.max_stop_token_ids,
+                    ids.len()
+                ),
+            ));
+        }
+        let mut ids = ids.to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        Ok(ids)
     }
 
     fn stop(&self, limits: &Limits) -> Result<Vec<String>, ApiError> {
@@ -265,5 +295,43 @@ impl RawSampling<'_> {
             ));
         }
         Ok(list)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::openai::ErrorCode;
+
+    #[test]
+    fn stop_token_ids_and_logit_bias_are_bounded() {
+        let limits = Limits::default();
+        // A list covering the vocabulary, with min_tokens, would leave the sampler nothing.
+        let all: Vec<u32> = (0..49_152).collect();
+        let raw = RawSampling {
+            min_tokens: Some(2),
+            stop_token_ids: Some(&all),
+            ..RawSampling::default()
+        };
+        let e = raw.validate(&limits).unwrap_err();
+        assert_eq!(
+            (e.status, e.code, e.param.as_deref()),
+            (400, ErrorCode::InvalidValue, Some("stop_token_ids"))
+        );
+        let few = [7, 3, 7];
+        let raw = RawSampling {
+            stop_token_ids: Some(&few),
+            ..RawSampling::default()
+        };
+        assert_eq!(raw.validate(&limits).unwrap().stop_token_ids, [3, 7]);
+        let bias: BTreeMap<String, f64> = (0..=limits.max_logit_bias)
+            .map(|i| (i.to_string(), -1.0))
+            .collect();
+        let raw = RawSampling {
+            logit_bias: Some(&bias),
+            ..RawSampling::default()
+        };
+        let e = raw.validate(&limits).unwrap_err();
+        assert_eq!((e.status, e.param.as_deref()), (400, Some("logit_bias")));
     }
 }

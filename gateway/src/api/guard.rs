@@ -1,0 +1,193 @@
+//! What a request holds while it runs, each released by `Drop` so that no way of ending (done,
+//! failed, timed out, its client gone before the first byte or mid-stream, its future dropped)
+//! can leak it:
+//! - [`Lease`]: the tenant's concurrency slot and the tokens still to charge to tokens/min;
+//!   renewed while the request lives, released (with the charge) when it ends;
+//! - [`EngineLoad`]: the engine's in-flight count and queued prefill tokens, the load routing
+//!   and `drain --wait` read;
+//! - [`Outcome`]: the request's status and duration in the metrics (499 when the client left
+//!   before an answer).
+
+use crate::server::Gateway;
+use crate::tenant::RateLimits;
+use crate::upstream::Engine;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long a concurrency lease lasts unless renewed: a crashed gateway's slots come back
+/// within this.
+pub const LEASE: Duration = Duration::from_secs(60);
+/// How often a live request renews its lease.
+const RENEW_EVERY: Duration = Duration::from_secs(20);
+
+/// The status recorded for a request whose client left before it was answered (as nginx does).
+pub const CLIENT_CLOSED: u16 = 499;
+
+static NEXT_LEASE: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh lease id: random per process, counted within it. Never the client's request id,
+/// which a client could repeat to hold one slot for many requests.
+fn lease_id() -> String {
+    static PREFIX: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let p = PREFIX.get_or_init(rand::random::<u64>);
+    format!("{p:016x}{:x}", NEXT_LEASE.fetch_add(1, Ordering::Relaxed))
+}
+
+/// A tenant's admitted request. Dropping it frees the concurrency slot and charges the tokens
+/// generated (the prompt's were charged at admission).
+#[derive(Debug)]
+pub struct Lease {
+    gw: Arc<Gateway>,
+    tenant: Arc<str>,
+    limits: RateLimits,
+    id: Arc<str>,
+    /// Tokens to charge on release.
+    owed: u64,
+    renewer: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Lease {
+    /// A lease id for an admission; [`Lease::held`] takes it once admitted.
+    pub fn new_id() -> Arc<str> {
+        Arc::from(lease_id())
+    }
+
+    /// Holds an admitted lease, renewing it while the request lives when it counts against a
+    /// concurrency limit.
+    pub fn held(gw: &Arc<Gateway>, tenant: &str, limits: RateLimits, id: Arc<str>) -> Lease {
+        let renewer = limits.max_concurrent.map(|_| {
+            let (gw, tenant, id) = (gw.clone(), tenant.to_owned(), id.clone());
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(RENEW_EVERY);
+                tick.tick().await;
+                loop {
+                    tick.tick().await;
+                    let ms = LEASE.as_millis() as u64;
+                    if let Err(e) = gw.store.renew(&tenant, &id, ms).await {
+                        gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(error = %e, "lease renewal failed");
+                    }
+                }
+            })
+        });
+        Lease {
+            gw: gw.clone(),
+            tenant: Arc::from(tenant),
+            limits,
+            id,
+            owed: 0,
+            renewer,
+        }
+    }
+
+    /// Adds tokens to charge when the lease is released.
+    pub fn charge(&mut self, tokens: u64) {
+        self.owed = self.owed.saturating_add(tokens);
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(r) = self.renewer.take() {
+            r.abort();
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            // No runtime left (process exit): the lease lapses on its own.
+            return;
+        };
+        let (gw, tenant, id) = (self.gw.clone(), self.tenant.clone(), self.id.clone());
+        let (limits, owed) = (self.limits, self.owed);
+        rt.spawn(async move {
+            if let Err(e) = gw.store.release(&tenant, limits, &id, owed).await {
+                gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, "rate-limit release failed; the lease will lapse");
+            }
+        });
+    }
+}
+
+/// A request's share of an engine's load, counted from routing until its answer is over.
+#[derive(Debug)]
+pub struct EngineLoad {
+    engine: Arc<Engine>,
+    /// Prompt tokens counted in `queued_prefill` until the engine starts answering.
+    prefill: u64,
+}
+
+impl EngineLoad {
+    pub fn enter(engine: &Arc<Engine>, prefill: u64) -> EngineLoad {
+        engine.inflight.fetch_add(1, Ordering::SeqCst);
+        engine.queued_prefill.fetch_add(prefill, Ordering::Relaxed);
+        EngineLoad {
+            engine: engine.clone(),
+            prefill,
+        }
+    }
+
+    /// The engine answered: its prefill is no longer queued.
+    pub fn started(&mut self) {
+        let n = std::mem::take(&mut self.prefill);
+        self.engine.queued_prefill.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+}
+
+impl Drop for EngineLoad {
+    fn drop(&mut self) {
+        self.started();
+        self.engine.inflight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A request's line in the metrics, written when it is dropped.
+#[derive(Debug)]
+pub struct Outcome {
+    gw: Arc<Gateway>,
+    tenant: Arc<str>,
+    start: Instant,
+    /// The answer's status; `None` until there is one.
+    pub status: Option<u16>,
+    /// Whether dropping this one writes the line (a moved-out original does not).
+    armed: bool,
+}
+
+impl Outcome {
+    pub fn new(gw: &Arc<Gateway>, tenant: &str, start: Instant) -> Outcome {
+        Outcome {
+            gw: gw.clone(),
+            tenant: Arc::from(tenant),
+            start,
+            status: None,
+            armed: true,
+        }
+    }
+
+    /// Moves the line into a new guard (one that goes with a streamed body); this one then
+    /// records nothing.
+    pub fn take(&mut self) -> Outcome {
+        self.armed = false;
+        Outcome {
+            gw: self.gw.clone(),
+            tenant: self.tenant.clone(),
+            start: self.start,
+            status: self.status,
+            armed: true,
+        }
+    }
+}
+
+impl Drop for Outcome {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let m = &self.gw.metrics;
+        m.request(&self.tenant, self.status.unwrap_or(CLIENT_CLOSED));
+        m.request_duration
+            .observe(self.start.elapsed().as_secs_f64());
+    }
+}

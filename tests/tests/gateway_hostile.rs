@@ -1,0 +1,332 @@
+//! The gateway against a hostile tenant and faults, on real SmolLM2 engines: one tenant's bad
+//! requests never open an engine's circuit for the others; limits hold against a repeated
+//! request id and against clients that leave early; everything a request holds (lease, engine
+//! load) comes back however it ends; a hung engine is given up and the request retried
+//! elsewhere; a revoked key stops working on every replica at once.
+
+use kvgate_tests::gateway::{chat_body, config, gated_engine, HungEngine, StoreKind, TestGateway};
+use kvgate_tests::redis::RedisServer;
+use kvgate_tests::request;
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+/// Sends a request by hand and returns the open connection (nothing read yet).
+fn send(gw: &TestGateway, key: &str, body: &str, extra_headers: &str) -> TcpStream {
+    let mut s = TcpStream::connect(gw.addr).unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\n{extra_headers}content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    s
+}
+
+/// Reads until `marker` (or the end); returns what was read.
+fn read_until(s: &mut TcpStream, marker: &str) -> String {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains(marker) {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+fn status_of(head: &str) -> u16 {
+    head.split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The gateway's view of one engine.
+fn engine_view(gw: &TestGateway, name: &str) -> Value {
+    let engines = gw.admin("GET", "/admin/engines", "").json();
+    engines["engines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == name)
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+/// Waits until the gateway counts nothing in flight on `engine`.
+fn wait_idle(gw: &TestGateway, engine: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let v = engine_view(gw, engine);
+        if v["inflight"] == 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "in-flight never settled: {v}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until a short chat of `key` succeeds, allowing `transient` statuses meanwhile.
+fn wait_admitted(gw: &TestGateway, key: &str, transient: &[u16]) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = gw.chat(key, None, "Hi", r#","max_tokens":1"#);
+        if r.status == 200 {
+            return;
+        }
+        assert!(transient.contains(&r.status), "{} {}", r.status, r.body);
+        assert!(Instant::now() < deadline, "the lease was never released");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn stream_body(system: &str, max_tokens: u32) -> String {
+    chat_body(
+        Some(system),
+        "Write a very long story about the sea.",
+        &format!(r#","max_tokens":{max_tokens},"ignore_eos":true,"stream":true"#),
+    )
+}
+
+#[test]
+fn bad_requests_of_one_tenant_never_open_the_circuit() {
+    let e = gated_engine("blocks = 1024");
+    let gw = TestGateway::start(config(&[("e", e.addr)]), StoreKind::Memory);
+    gw.wait_ready(1);
+    let hostile = gw.tenant("hostile", json!({}));
+    let good = gw.tenant("good", json!({}));
+    // Sampling that cannot succeed: at least 2 tokens, yet every token stops.
+    let vocab: Vec<u32> = (0..49152).collect();
+    let extra = format!(
+        r#","max_tokens":4,"min_tokens":2,"stop_token_ids":{}"#,
+        serde_json::to_string(&vocab).unwrap()
+    );
+    for _ in 0..6 {
+        let r = gw.chat(&hostile, None, "Hello", &extra);
+        assert!(
+            (400..500).contains(&r.status),
+            "the request's own mistake is its 4xx: {} {}",
+            r.status,
+            r.body
+        );
+    }
+    assert_eq!(engine_view(&gw, "e")["routable"], true);
+    // The scheme of `Authorization` is case-insensitive.
+    let auth = format!("bearer {good}");
+    let r = request(
+        gw.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("authorization", &auth)],
+        &chat_body(None, "Hi", r#","max_tokens":1"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+fn repeated_request_id_holds_one_slot_each(store: StoreKind) {
+    let e = gated_engine("blocks = 1024");
+    let gw = TestGateway::start(config(&[("e", e.addr)]), store);
+    gw.wait_ready(1);
+    let key = gw.tenant("t", json!({"max_concurrent": 2}));
+    let mut open = Vec::new();
+    let mut statuses = Vec::new();
+    for _ in 0..6 {
+        let mut s = send(
+            &gw,
+            &key,
+            &stream_body("You are a storyteller.", 400),
+            "x-request-id: same-id\r\n",
+        );
+        let head = read_until(&mut s, "\r\n");
+        statuses.push(status_of(&head));
+        open.push(s);
+    }
+    let admitted = statuses.iter().filter(|s| **s == 200).count();
+    assert_eq!(admitted, 2, "a limit of 2 with one client id: {statuses:?}");
+    assert_eq!(statuses.iter().filter(|s| **s == 429).count(), 4);
+    drop(open);
+    wait_idle(&gw, "e");
+}
+
+#[test]
+fn repeated_request_id_holds_one_slot_each_memory() {
+    repeated_request_id_holds_one_slot_each(StoreKind::Memory);
+}
+
+#[test]
+fn repeated_request_id_holds_one_slot_each_redis() {
+    let redis = RedisServer::start();
+    repeated_request_id_holds_one_slot_each(StoreKind::Redis(redis.url()));
+}
+
+#[test]
+fn leaving_a_stream_early_is_still_charged() {
+    let e = gated_engine("blocks = 1024");
+    let gw = TestGateway::start(config(&[("e", e.addr)]), StoreKind::Memory);
+    gw.wait_ready(1);
+    let key = gw.tenant("t", json!({"tokens_per_min": 300}));
+    let system =
+        "You are the storyteller of a harbor town. Your stories are about ships, sailors, \
+                  storms, lighthouses, fish markets and the long winters by the sea.";
+    let mut refused = None;
+    for i in 0..15 {
+        let mut s = send(&gw, &key, &stream_body(system, 500), "");
+        let head = read_until(&mut s, "data: {");
+        if status_of(&head) == 429 {
+            refused = Some(i);
+            break;
+        }
+        assert_eq!(status_of(&head), 200, "{head}");
+        drop(s);
+    }
+    let refused = refused.expect("tokens/min charged to clients that leave early");
+    assert!(refused >= 2, "refused too early: request {refused}");
+    wait_idle(&gw, "e");
+}
+
+/// A prompt whose prefill takes a while on the CPU (about 1,500 tokens).
+fn long_prompt_body() -> String {
+    let user = "The quick brown fox jumps over the lazy dog near the river bank. ".repeat(110);
+    chat_body(None, &user, r#","max_tokens":1"#)
+}
+
+#[test]
+fn a_client_leaving_before_the_first_byte_releases_everything() {
+    let e = gated_engine("blocks = 1024");
+    let gw = TestGateway::start(config(&[("e", e.addr)]), StoreKind::Memory);
+    gw.wait_ready(1);
+    let key = gw.tenant("t", json!({"max_concurrent": 1}));
+    for _ in 0..2 {
+        let s = send(&gw, &key, &long_prompt_body(), "");
+        std::thread::sleep(Duration::from_millis(300));
+        drop(s);
+    }
+    wait_idle(&gw, "e");
+    // The lease came back with the request: the tenant's one slot is free again.
+    wait_admitted(&gw, &key, &[429]);
+}
+
+#[test]
+fn a_request_timeout_releases_everything() {
+    let e = gated_engine("blocks = 1024");
+    let mut cfg = config(&[("e", e.addr)]);
+    cfg.request_timeout_secs = 1;
+    let gw = TestGateway::start(cfg, StoreKind::Memory);
+    gw.wait_ready(1);
+    let key = gw.tenant("t", json!({"max_concurrent": 1}));
+    let r = gw.post(&key, "/v1/chat/completions", &long_prompt_body());
+    assert_eq!(r.status, 504, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "timeout");
+    wait_idle(&gw, "e");
+    // A timeout is no fault of the engine's: it stays routable.
+    assert_eq!(engine_view(&gw, "e")["routable"], true);
+    // The lease came back: the next request is admitted (it may still time out while the engine
+    // winds down the abandoned prefill, but it is never refused for concurrency for long).
+    wait_admitted(&gw, &key, &[429, 504]);
+}
+
+#[test]
+fn a_hung_engine_is_given_up_and_the_request_served_elsewhere() {
+    let hung = HungEngine::start();
+    let e = gated_engine("blocks = 1024");
+    let mut cfg = config(&[("hung", hung.addr), ("real", e.addr)]);
+    cfg.first_byte_timeout_secs = 3;
+    cfg.request_timeout_secs = 30;
+    let gw = TestGateway::start(cfg, StoreKind::Memory);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while engine_view(&gw, "hung")["routable"] != true
+        || engine_view(&gw, "real")["routable"] != true
+    {
+        assert!(Instant::now() < deadline, "engines not routable");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let key = gw.tenant("t", json!({}));
+    for i in 0..8 {
+        let system = format!("You are assistant number {i} of the lighthouse keepers.");
+        let r = gw.chat(&key, Some(&system), "Hi", r#","max_tokens":1"#);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.header("x-kvgate-engine"), Some("real"));
+    }
+    assert!(
+        hung.requests.load(std::sync::atomic::Ordering::SeqCst) >= 1,
+        "some request was routed to the hung engine first"
+    );
+    wait_idle(&gw, "hung");
+    wait_idle(&gw, "real");
+}
+
+#[test]
+fn a_revoked_key_stops_on_every_replica_within_a_second() {
+    let redis = RedisServer::start();
+    let e = gated_engine("blocks = 1024");
+    let a = TestGateway::start(config(&[("e", e.addr)]), StoreKind::Redis(redis.url()));
+    let b = TestGateway::start(config(&[("e", e.addr)]), StoreKind::Redis(redis.url()));
+    a.wait_ready(1);
+    b.wait_ready(1);
+    let key = a.tenant("t", json!({}));
+    // Cached as valid on b.
+    let r = b.chat(&key, None, "Hi", r#","max_tokens":1"#);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let keys = a.admin("GET", "/admin/tenants/t/keys", "").json();
+    let id = keys["keys"][0]["id"].as_str().unwrap().to_owned();
+    let revoked_at = Instant::now();
+    let r = a.admin("DELETE", &format!("/admin/tenants/t/keys/{id}"), "");
+    assert_eq!(r.status, 200, "{}", r.body);
+    loop {
+        let r = b.chat(&key, None, "Hi", r#","max_tokens":1"#);
+        if r.status == 401 {
+            break;
+        }
+        assert!(
+            revoked_at.elapsed() < Duration::from_secs(1),
+            "the revoked key still works on the other replica after {:?}",
+            revoked_at.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn huge_prompts_are_refused_unread_and_stall_no_one() {
+    let e = gated_engine("blocks = 1024");
+    let gw = TestGateway::start(config(&[("e", e.addr)]), StoreKind::Memory);
+    gw.wait_ready(1);
+    let hostile = gw.tenant("hostile", json!({}));
+    let good = gw.tenant("good", json!({}));
+    let word = "a".repeat(3_900_000);
+    let body = chat_body(None, &word, r#","max_tokens":1"#);
+    let hostile_threads: Vec<_> = (0..4)
+        .map(|_| {
+            let (addr, body, key) = (gw.addr, body.clone(), hostile.clone());
+            std::thread::spawn(move || {
+                let auth = format!("Bearer {key}");
+                let t = Instant::now();
+                let r = request(
+                    addr,
+                    "POST",
+                    "/v1/chat/completions",
+                    &[("authorization", &auth)],
+                    &body,
+                );
+                (r.status, r.json()["error"]["code"].clone(), t.elapsed())
+            })
+        })
+        .collect();
+    // Meanwhile, another tenant is served.
+    let t = Instant::now();
+    let r = gw.chat(&good, None, "Hi", r#","max_tokens":1"#);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let good_took = t.elapsed();
+    let health = request(gw.addr, "GET", "/health", &[], "");
+    assert_eq!(health.status, 200);
+    for h in hostile_threads {
+        let (status, code, took) = h.join().unwrap();
+        assert_eq!(status, 400);
+        // Refused on its length, before any tokenizing.
+        assert_eq!(code, "context_length_exceeded", "after {took:?}");
+    }
+    eprintln!("another tenant's chat took {good_took:?} during the attack");
+}
