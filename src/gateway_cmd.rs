@@ -51,6 +51,9 @@ pub fn gateway(args: GatewayArgs) -> Result<()> {
     config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     crate::engine_cmd::init_tracing();
     let dir = model_cmd::resolve(config.model.as_deref())?;
+    if config.context_tokens.is_none() {
+        config.context_tokens = model_context_tokens(&dir);
+    }
     let renderer = Arc::new(
         PromptRenderer::from_dir(&dir)
             .with_context(|| format!("loading the tokenizer in {}", dir.display()))?,
@@ -68,6 +71,15 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
         .enable_all()
         .build()
         .context("starting the async runtime")
+}
+
+/// The model's context length (`max_position_embeddings` in its `config.json`), when it says.
+fn model_context_tokens(dir: &std::path::Path) -> Option<usize> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+    json.get("max_position_embeddings")?
+        .as_u64()
+        .and_then(|n| usize::try_from(n).ok())
 }
 
 /// The store named by the config: Redis (schema checked), or in-memory.

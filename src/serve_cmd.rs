@@ -64,6 +64,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let state = launch::start(&engine_config, &dir)
         .with_context(|| format!("starting the engine on {}", dir.display()))?;
     let renderer = state.renderer.clone();
+    let context_tokens = state.context_len;
     gateway_cmd::runtime()?.block_on(async move {
         let engine_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let engine_addr = engine_listener.local_addr()?;
@@ -76,6 +77,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             admin_listen: args.admin_listen,
             model: Some(dir),
             model_id: DEFAULT_MODEL_ID.into(),
+            context_tokens: Some(context_tokens),
             operator_token: Some(operator_token.clone()),
             engine_token: Some(engine_token),
             pepper: Some(secret()),

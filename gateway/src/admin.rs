@@ -303,6 +303,7 @@ fn engine_view(gw: &Gateway, e: &Engine) -> Value {
         "url": e.url,
         "up": e.up.load(Ordering::SeqCst),
         "routable": e.routable(now_ms()),
+        "circuit_open": e.circuit_open(now_ms()),
         "draining": e.is_draining(),
         "inflight": e.inflight.load(Ordering::SeqCst),
         "engine_inflight": e.engine_inflight.load(Ordering::Relaxed),

@@ -199,7 +199,8 @@ fn prepare(gw: &Gateway, p: &Principal, kind: Kind, body: &[u8]) -> Result<Prepa
             format!(
                 "The request carries {text} bytes of text; the model's context of {} tokens \
                  holds at most {} bytes.",
-                gw.config.context_tokens, gw.max_prompt_bytes
+                gw.config.context_tokens(),
+                gw.max_prompt_bytes
             ),
         ));
     }
@@ -219,6 +220,10 @@ fn prepare(gw: &Gateway, p: &Principal, kind: Kind, body: &[u8]) -> Result<Prepa
                 .hasher
                 .chat(&scope, &input.messages)
                 .map_err(|e| ApiError::invalid_value("messages", e.to_string()))?;
+            // The engine's own length rule, before the request is charged or forwarded.
+            input
+                .params
+                .max_tokens_for(hashes.prompt_tokens, gw.config.context_tokens())?;
             (typed.model, input.stream, input.include_usage, hashes)
         }
         Kind::Completion => {
@@ -231,6 +236,9 @@ fn prepare(gw: &Gateway, p: &Principal, kind: Kind, body: &[u8]) -> Result<Prepa
                     .map_err(|e| ApiError::invalid_value("prompt", e.to_string()))?,
                 PromptInput::Tokens(t) => gw.hasher.tokens(&scope, t),
             };
+            input
+                .params
+                .max_tokens_for(hashes.prompt_tokens, gw.config.context_tokens())?;
             (typed.model, input.stream, input.include_usage, hashes)
         }
     };
@@ -318,7 +326,8 @@ async fn admit(
         Err(e) => {
             gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(error = %e, "rate limiter unavailable; admitting");
-            Ok(None)
+            // The store may have taken the lease before it failed: release it all the same.
+            Ok(Some(Lease::held(gw, &p.tenant.id, limits, id)))
         }
     }
 }

@@ -15,7 +15,7 @@
 //! block_size = 16                    # the engines' kv.block_size
 //! kv_dtype = "f32"                   # the engines' KV storage type
 //! max_body_bytes = 4194304
-//! context_tokens = 8192              # the model's context: longer prompts are refused unread
+//! context_tokens = 8192              # the model's context (default: the model's config.json)
 //! request_timeout_secs = 600         # until the response starts (streams may run longer)
 //! first_byte_timeout_secs = 120      # one engine's first byte; past it, the next engine is tried
 //! header_timeout_secs = 30           # a client's request head, and its idle keep-alive time
@@ -63,8 +63,9 @@ pub struct GatewayConfig {
     pub max_body_bytes: usize,
     /// The model's context length in tokens. A prompt whose text could not fit even if every
     /// token were the vocabulary's longest is refused before it is tokenized.
-    #[serde(default = "default_context_tokens")]
-    pub context_tokens: usize,
+    /// `None`: the model directory's `max_position_embeddings`, else 8192.
+    #[serde(default)]
+    pub context_tokens: Option<usize>,
     /// Until the response starts, retries included (the request's one deadline).
     #[serde(default = "default_timeout")]
     pub request_timeout_secs: u64,
@@ -131,9 +132,6 @@ fn default_body_limit() -> usize {
 }
 fn default_timeout() -> u64 {
     600
-}
-fn default_context_tokens() -> usize {
-    8192
 }
 fn default_first_byte_timeout() -> u64 {
     120
@@ -248,13 +246,18 @@ impl GatewayConfig {
                     .into(),
             );
         }
-        if self.context_tokens == 0 {
+        if self.context_tokens == Some(0) {
             return Err("context_tokens: must be positive".into());
         }
         if self.max_connections == 0 {
             return Err("max_connections: must be positive".into());
         }
         Ok(())
+    }
+
+    /// The engines' context length in tokens.
+    pub fn context_tokens(&self) -> usize {
+        self.context_tokens.unwrap_or(8192)
     }
 
     /// The bounds on client connections of both listeners.

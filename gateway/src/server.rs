@@ -78,7 +78,7 @@ impl Gateway {
                 load_factor: config.routing.load_factor,
                 block_size: config.block_size,
             }),
-            max_prompt_bytes: max_prompt_bytes(&renderer, config.context_tokens),
+            max_prompt_bytes: max_prompt_bytes(&renderer, config.context_tokens()),
             hasher: PromptHasher::new(renderer, hasher),
             auth: Auth::new(
                 store.clone(),

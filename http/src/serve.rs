@@ -135,6 +135,9 @@ pub async fn serve_with<S: ConnService>(
             drop(slot);
         });
     }
+    // Refuse new connections at once (rather than leave them in the backlog until the process
+    // exits) while the ones in flight finish.
+    drop(listener);
     graceful.shutdown().await;
     Ok(())
 }

@@ -12,6 +12,14 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+/// One test at a time: each runs real engines, and on a small machine two at once would turn
+/// the deadlines under test into a measure of CPU contention.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Sends a request by hand and returns the open connection (nothing read yet).
 fn send(gw: &TestGateway, key: &str, body: &str, extra_headers: &str) -> TcpStream {
     let mut s = TcpStream::connect(gw.addr).unwrap();
@@ -77,7 +85,13 @@ fn wait_admitted(gw: &TestGateway, key: &str, transient: &[u16]) {
         if r.status == 200 {
             return;
         }
-        assert!(transient.contains(&r.status), "{} {}", r.status, r.body);
+        assert!(
+            transient.contains(&r.status),
+            "{} {} engines: {}",
+            r.status,
+            r.body,
+            gw.admin("GET", "/admin/engines", "").body
+        );
         assert!(Instant::now() < deadline, "the lease was never released");
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -93,6 +107,7 @@ fn stream_body(system: &str, max_tokens: u32) -> String {
 
 #[test]
 fn bad_requests_of_one_tenant_never_open_the_circuit() {
+    let _serial = serial();
     let e = gated_engine("blocks = 1024");
     let gw = TestGateway::start(config(&[("e", e.addr)]), StoreKind::Memory);
     gw.wait_ready(1);
@@ -153,17 +168,20 @@ fn repeated_request_id_holds_one_slot_each(store: StoreKind) {
 
 #[test]
 fn repeated_request_id_holds_one_slot_each_memory() {
+    let _serial = serial();
     repeated_request_id_holds_one_slot_each(StoreKind::Memory);
 }
 
 #[test]
 fn repeated_request_id_holds_one_slot_each_redis() {
+    let _serial = serial();
     let redis = RedisServer::start();
     repeated_request_id_holds_one_slot_each(StoreKind::Redis(redis.url()));
 }
 
 #[test]
 fn leaving_a_stream_early_is_still_charged() {
+    let _serial = serial();
     let e = gated_engine("blocks = 1024");
     let gw = TestGateway::start(config(&[("e", e.addr)]), StoreKind::Memory);
     gw.wait_ready(1);
@@ -195,6 +213,7 @@ fn long_prompt_body() -> String {
 
 #[test]
 fn a_client_leaving_before_the_first_byte_releases_everything() {
+    let _serial = serial();
     let e = gated_engine("blocks = 1024");
     let gw = TestGateway::start(config(&[("e", e.addr)]), StoreKind::Memory);
     gw.wait_ready(1);
@@ -211,25 +230,32 @@ fn a_client_leaving_before_the_first_byte_releases_everything() {
 
 #[test]
 fn a_request_timeout_releases_everything() {
-    let e = gated_engine("blocks = 1024");
-    let mut cfg = config(&[("e", e.addr)]);
+    let _serial = serial();
+    // An engine that never answers: every request runs into the request's own deadline.
+    let hung = HungEngine::start();
+    let mut cfg = config(&[("hung", hung.addr)]);
     cfg.request_timeout_secs = 1;
     let gw = TestGateway::start(cfg, StoreKind::Memory);
-    gw.wait_ready(1);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while engine_view(&gw, "hung")["routable"] != true {
+        assert!(Instant::now() < deadline, "engine not routable");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let key = gw.tenant("t", json!({"max_concurrent": 1}));
-    let r = gw.post(&key, "/v1/chat/completions", &long_prompt_body());
-    assert_eq!(r.status, 504, "{}", r.body);
-    assert_eq!(r.json()["error"]["code"], "timeout");
-    wait_idle(&gw, "e");
-    // A timeout is no fault of the engine's: it stays routable.
-    assert_eq!(engine_view(&gw, "e")["routable"], true);
-    // The lease came back: the next request is admitted (it may still time out while the engine
-    // winds down the abandoned prefill, but it is never refused for concurrency for long).
-    wait_admitted(&gw, &key, &[429, 504]);
+    for _ in 0..4 {
+        // Each is admitted (the last one's lease came back), then times out: never a 429.
+        let r = gw.chat(&key, None, "Hi", r#","max_tokens":1"#);
+        assert_eq!(r.status, 504, "{}", r.body);
+        assert_eq!(r.json()["error"]["code"], "timeout");
+    }
+    wait_idle(&gw, "hung");
+    // The request's deadline is no fault of the engine's: its circuit stays closed.
+    assert_eq!(engine_view(&gw, "hung")["circuit_open"], false);
 }
 
 #[test]
 fn a_hung_engine_is_given_up_and_the_request_served_elsewhere() {
+    let _serial = serial();
     let hung = HungEngine::start();
     let e = gated_engine("blocks = 1024");
     let mut cfg = config(&[("hung", hung.addr), ("real", e.addr)]);
@@ -260,6 +286,7 @@ fn a_hung_engine_is_given_up_and_the_request_served_elsewhere() {
 
 #[test]
 fn a_revoked_key_stops_on_every_replica_within_a_second() {
+    let _serial = serial();
     let redis = RedisServer::start();
     let e = gated_engine("blocks = 1024");
     let a = TestGateway::start(config(&[("e", e.addr)]), StoreKind::Redis(redis.url()));
@@ -291,6 +318,7 @@ fn a_revoked_key_stops_on_every_replica_within_a_second() {
 
 #[test]
 fn huge_prompts_are_refused_unread_and_stall_no_one() {
+    let _serial = serial();
     let e = gated_engine("blocks = 1024");
     let gw = TestGateway::start(config(&[("e", e.addr)]), StoreKind::Memory);
     gw.wait_ready(1);

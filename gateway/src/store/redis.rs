@@ -91,6 +91,9 @@ local function ceil_div(a, b)
 end
 local function ms(us) return ceil_div(us, 1000) end
 local function int(x) return string.format('%d', x) end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now_ms = math.floor(now / 1000)
 local function charge(key, tpm, tokens)
   if tpm <= 0 or tokens <= 0 then return end
   local tat = tonumber(redis.call('GET', key) or '0')
@@ -98,9 +101,6 @@ local function charge(key, tpm, tokens)
   tat = tat + ceil_div(tokens * MINUTE, tpm)
   redis.call('SET', key, int(tat), 'PX', int(ms(tat - now)))
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local now_ms = math.floor(now / 1000)
 ";
 
 /// KEYS: req, tok, conc. ARGV: rpm, tpm, max concurrent (-1: no limit), lease id, lease ms,

@@ -1,6 +1,11 @@
 //! Active health checks: every engine's `/admin/status` (with the operator token) once a second,
 //! for liveness, its drain state, its in-flight count and its KV usage (the load signal). Without
 //! an operator token, `/health` gives liveness and drain state only.
+//!
+//! An engine that refuses connections, or answers that it is not serving, is down at once. One
+//! that is merely slow to answer (a health check timing out on a busy host) is down only after
+//! [`SLOW_CHECKS_DOWN`] checks in a row, so a burst of load does not empty the fleet; a hung
+//! engine's requests are bounded by the proxy's first-byte deadline meanwhile.
 
 use super::{Engine, HttpClient};
 use http_body_util::{BodyExt, Full};
@@ -12,6 +17,8 @@ use std::time::Duration;
 
 pub const INTERVAL: Duration = Duration::from_secs(1);
 const TIMEOUT: Duration = Duration::from_secs(2);
+/// Timed-out checks in a row that take a healthy engine out of routing.
+pub const SLOW_CHECKS_DOWN: u32 = 3;
 
 #[derive(Deserialize)]
 struct Status {
@@ -45,7 +52,10 @@ pub async fn watch(engine: Arc<Engine>, client: HttpClient, operator_token: Opti
 pub async fn check(engine: &Engine, client: &HttpClient, operator_token: Option<&str>) {
     let was_up = engine.up.load(Ordering::SeqCst);
     let up = match tokio::time::timeout(TIMEOUT, probe(engine, client, operator_token)).await {
-        Ok(Ok(())) => true,
+        Ok(Ok(())) => {
+            engine.slow_checks.store(0, Ordering::Relaxed);
+            true
+        }
         Ok(Err(why)) => {
             if was_up {
                 tracing::warn!(engine = %engine.name, %why, "engine unhealthy");
@@ -53,10 +63,12 @@ pub async fn check(engine: &Engine, client: &HttpClient, operator_token: Option<
             false
         }
         Err(_) => {
-            if was_up {
-                tracing::warn!(engine = %engine.name, "engine health check timed out");
+            let slow = engine.slow_checks.fetch_add(1, Ordering::Relaxed) + 1;
+            let down = !was_up || slow >= SLOW_CHECKS_DOWN;
+            if was_up && down {
+                tracing::warn!(engine = %engine.name, checks = slow, "engine health checks timed out");
             }
-            false
+            !down
         }
     };
     if up && !was_up {

@@ -47,6 +47,8 @@ pub struct Engine {
     pub id: u64,
     /// Passes active health checks.
     pub up: AtomicBool,
+    /// Health checks in a row that timed out.
+    pub slow_checks: AtomicU32,
     /// Drained by an operator through this gateway: no new requests.
     pub draining: AtomicBool,
     /// The engine itself reports draining (drained through any gateway or directly).
@@ -75,6 +77,7 @@ impl Engine {
             slot,
             id: engine_id(name),
             up: AtomicBool::new(false),
+            slow_checks: AtomicU32::new(0),
             draining: AtomicBool::new(false),
             engine_draining: AtomicBool::new(false),
             inflight: AtomicU64::new(0),
@@ -105,6 +108,11 @@ impl Engine {
         self.up.load(Ordering::SeqCst)
             && !self.is_draining()
             && self.open_until_ms.load(Ordering::Relaxed) <= now_ms
+    }
+
+    /// Whether its circuit is open (out of routing after repeated faults) at `now_ms`.
+    pub fn circuit_open(&self, now_ms: u64) -> bool {
+        self.open_until_ms.load(Ordering::Relaxed) > now_ms
     }
 
     /// A request to it failed (connect error, 5xx, broken stream).

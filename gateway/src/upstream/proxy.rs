@@ -519,6 +519,11 @@ impl Body for SseRelay {
                         if let Some(f) = self.on_end.take() {
                             f(self.events.served(), StreamEnd::Clean);
                         }
+                        // Whatever follows is dropped, so none of it is held either.
+                        if self.events.buffered() > MAX_EVENT_BYTES {
+                            self.events.clear_buffer();
+                            self.close("oversized event after [DONE]");
+                        }
                     } else if self.events.buffered() > MAX_EVENT_BYTES {
                         self.events.clear_buffer();
                         self.close("oversized event");
