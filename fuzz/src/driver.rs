@@ -27,9 +27,6 @@ pub const KNOWN: &[&str] = &[
     "usage.lenient_on_skipped_members",
     "protocol.engine_skips_unknown_fields_unread",
     "protocol.engine_accepts_array_body",
-    "sampling.repetition_penalty_range",
-    "sampling.top_p_range",
-    "completion.min_tokens_past_default_max_tokens",
     "sse.buffer_bound_after_done",
 ];
 

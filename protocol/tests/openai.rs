@@ -371,6 +371,19 @@ fn liberal_values_are_normalized() {
     assert_eq!((p.temperature, p.top_k), (7.5, None));
     let p = chat_with(json!({"temperature": 1e300})).unwrap().params;
     assert_eq!(p.temperature, f32::MAX);
+    // Past f32's range at either end, a value keeps its meaning: nonzero stays nonzero, huge
+    // stays finite.
+    let p = chat_with(json!({"top_p": 1e-50, "repetition_penalty": 1e39}))
+        .unwrap()
+        .params;
+    assert!(p.top_p > 0.0 && p.repetition_penalty == f32::MAX);
+    let p = chat_with(json!({"repetition_penalty": 1e-320}))
+        .unwrap()
+        .params;
+    assert!(p.repetition_penalty > 0.0);
+    // `min_tokens` is checked against the completions default of 16 tokens.
+    let e = completion_with(json!({"min_tokens": 17})).unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("min_tokens"), "{e:?}");
     assert_eq!(chat_with(json!({"top_k": 0})).unwrap().params.top_k, None);
     assert_eq!(
         chat_with(json!({"top_k": 40})).unwrap().params.top_k,

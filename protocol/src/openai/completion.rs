@@ -237,7 +237,12 @@ impl CompletionRequest {
             stop: self.stop.as_ref(),
             stop_token_ids: self.stop_token_ids.as_deref(),
             max_tokens_param: "max_tokens",
-            max_tokens: self.max_tokens,
+            // The default is filled in before validation, so `min_tokens` is checked against
+            // the length that will really be generated.
+            max_tokens: Some(
+                self.max_tokens
+                    .unwrap_or(i64::from(DEFAULT_COMPLETION_MAX_TOKENS)),
+            ),
             min_tokens: self.min_tokens,
             n: self.n,
             best_of: self.best_of,

@@ -38,6 +38,18 @@ pub(crate) struct RawSampling<'a> {
     pub ignore_eos: Option<bool>,
 }
 
+/// `x` as the nearest f32 that keeps its meaning: beyond f32's range it saturates (not infinity),
+/// and a nonzero value too small for an f32 stays nonzero (not 0.0, which would turn a "> 0"
+/// parameter off).
+fn to_f32(x: f64) -> f32 {
+    let y = (x as f32).clamp(-f32::MAX, f32::MAX);
+    if y == 0.0 && x != 0.0 {
+        f32::MIN_POSITIVE.copysign(x as f32)
+    } else {
+        y
+    }
+}
+
 fn range_f32(
     param: &str,
     v: Option<f64>,
@@ -47,7 +59,7 @@ fn range_f32(
 ) -> Result<f32, ApiError> {
     match v {
         None => Ok(default),
-        Some(x) if ok && x.is_finite() => Ok(x as f32),
+        Some(x) if ok && x.is_finite() => Ok(to_f32(x)),
         Some(x) => Err(ApiError::invalid_value(
             param,
             format!("Invalid '{param}': expected {want}, but got {x}."),
