@@ -70,6 +70,10 @@ pub fn text_response(content_type: &'static str, text: String) -> Response<RespB
     r
 }
 
+/// The header by which an engine marks a 5xx as its own fault (not the request's): the only 5xx
+/// a gateway counts against the engine's circuit breaker.
+pub const FAULT_HEADER: &str = "x-kvgate-fault";
+
 /// The one place an [`ApiError`] becomes an HTTP response.
 pub fn error_response(e: &ApiError) -> Response<RespBody> {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);

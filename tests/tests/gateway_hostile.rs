@@ -6,7 +6,7 @@
 
 use kvgate_tests::gateway::{chat_body, config, gated_engine, HungEngine, StoreKind, TestGateway};
 use kvgate_tests::redis::RedisServer;
-use kvgate_tests::request;
+use kvgate_tests::{request, Engine};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -77,6 +77,14 @@ fn wait_idle(gw: &TestGateway, engine: &str) {
     }
 }
 
+/// A real engine `e` behind a gateway, both ready.
+fn one_engine(store: StoreKind) -> (Engine, TestGateway) {
+    let e = gated_engine("blocks = 1024");
+    let gw = TestGateway::start(config(&[("e", e.addr)]), store);
+    gw.wait_ready(1);
+    (e, gw)
+}
+
 /// Waits until a short chat of `key` succeeds, allowing `transient` statuses meanwhile.
 fn wait_admitted(gw: &TestGateway, key: &str, transient: &[u16]) {
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -108,9 +116,7 @@ fn stream_body(system: &str, max_tokens: u32) -> String {
 #[test]
 fn bad_requests_of_one_tenant_never_open_the_circuit() {
     let _serial = serial();
-    let e = gated_engine("blocks = 1024");
-    let gw = TestGateway::start(config(&[("e", e.addr)]), StoreKind::Memory);
-    gw.wait_ready(1);
+    let (_e, gw) = one_engine(StoreKind::Memory);
     let hostile = gw.tenant("hostile", json!({}));
     let good = gw.tenant("good", json!({}));
     // Sampling that cannot succeed: at least 2 tokens, yet every token stops.
@@ -142,9 +148,7 @@ fn bad_requests_of_one_tenant_never_open_the_circuit() {
 }
 
 fn repeated_request_id_holds_one_slot_each(store: StoreKind) {
-    let e = gated_engine("blocks = 1024");
-    let gw = TestGateway::start(config(&[("e", e.addr)]), store);
-    gw.wait_ready(1);
+    let (_e, gw) = one_engine(store);
     let key = gw.tenant("t", json!({"max_concurrent": 2}));
     let mut open = Vec::new();
     let mut statuses = Vec::new();
@@ -182,9 +186,7 @@ fn repeated_request_id_holds_one_slot_each_redis() {
 #[test]
 fn leaving_a_stream_early_is_still_charged() {
     let _serial = serial();
-    let e = gated_engine("blocks = 1024");
-    let gw = TestGateway::start(config(&[("e", e.addr)]), StoreKind::Memory);
-    gw.wait_ready(1);
+    let (_e, gw) = one_engine(StoreKind::Memory);
     let key = gw.tenant("t", json!({"tokens_per_min": 300}));
     let system =
         "You are the storyteller of a harbor town. Your stories are about ships, sailors, \
@@ -214,9 +216,7 @@ fn long_prompt_body() -> String {
 #[test]
 fn a_client_leaving_before_the_first_byte_releases_everything() {
     let _serial = serial();
-    let e = gated_engine("blocks = 1024");
-    let gw = TestGateway::start(config(&[("e", e.addr)]), StoreKind::Memory);
-    gw.wait_ready(1);
+    let (_e, gw) = one_engine(StoreKind::Memory);
     let key = gw.tenant("t", json!({"max_concurrent": 1}));
     for _ in 0..2 {
         let s = send(&gw, &key, &long_prompt_body(), "");
@@ -319,9 +319,7 @@ fn a_revoked_key_stops_on_every_replica_within_a_second() {
 #[test]
 fn huge_prompts_are_refused_unread_and_stall_no_one() {
     let _serial = serial();
-    let e = gated_engine("blocks = 1024");
-    let gw = TestGateway::start(config(&[("e", e.addr)]), StoreKind::Memory);
-    gw.wait_ready(1);
+    let (_e, gw) = one_engine(StoreKind::Memory);
     let hostile = gw.tenant("hostile", json!({}));
     let good = gw.tenant("good", json!({}));
     let word = "a".repeat(3_900_000);

@@ -404,7 +404,12 @@ impl KvCacheManager {
         }
     }
 
-    fn check_quota(&self, tenant: Option<TenantId>, needed: usize) -> Result<(), KvError> {
+    /// Refuses `needed` more blocks for `tenant` past its quota (nothing without one).
+    pub(crate) fn check_quota(
+        &self,
+        tenant: Option<TenantId>,
+        needed: usize,
+    ) -> Result<(), KvError> {
         let Some((tenant, quota)) = tenant.and_then(|t| Some((t, self.quota(t)?))) else {
             return Ok(());
         };

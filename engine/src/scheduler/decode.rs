@@ -61,8 +61,8 @@ impl Scheduler {
             blocks,
             seqs: seqs.len(),
         };
-        if !self.make_quota_room(&need, reserved, plan, budget)
-            || !self.make_room(&need, reserved, plan, budget)
+        if !self.make_room(&need, Some(tenant), reserved, plan, budget)
+            || !self.make_room(&need, None, reserved, plan, budget)
         {
             return;
         }
@@ -97,7 +97,7 @@ impl Scheduler {
                 blocks: self.blocks_owed(group),
                 seqs: 0,
             };
-            self.make_quota_room(&need, reserved, plan, budget);
+            self.make_room(&need, Some(group.tenant), reserved, plan, budget);
         }
     }
 
@@ -130,68 +130,59 @@ impl Scheduler {
         }
     }
 
-    /// Preempts lower-priority, later groups until the reservations and `need` fit in the free
-    /// blocks. Returns false when `need`'s group itself had to go.
+    /// Preempts lower-priority, later groups until the reservations and `need` fit: in the free
+    /// blocks (`within` = `None`), or in the KV quota of tenant `within`, whose own latest,
+    /// lowest-priority group then goes (without that, a tenant's running groups that together
+    /// reach its quota, or a quota lowered under them, would wait on each other for ever).
+    /// Returns false when `need`'s group itself had to go; it is refused when it went alone.
     fn make_room(
         &mut self,
         need: &Reservation,
+        within: Option<TenantId>,
         reserved: &mut Reservations,
         plan: &mut StepPlan,
         budget: &mut Budget,
     ) -> bool {
-        while reserved.blocks() + need.blocks > self.kv.num_free_blocks() {
-            let Some(victim) = self.pick_victim(None) else {
-                return false;
-            };
-            let alone = self.running.len() == 1;
-            self.withdraw(victim, reserved, plan, budget);
-            if victim == need.group {
-                if alone {
-                    self.reject(victim, "the request no longer fits in the KV cache", plan);
+        loop {
+            let short_of = match within {
+                None => {
+                    (reserved.blocks() + need.blocks > self.kv.num_free_blocks()).then_some(None)
                 }
-                return false;
-            }
-        }
-        true
-    }
-
-    /// Like [`Self::make_room`], within the tenant's KV quota: the tenant's own latest,
-    /// lowest-priority group goes. Without this, a tenant's running groups that together reach
-    /// its quota (or a quota lowered under them) would wait on each other for ever.
-    fn make_quota_room(
-        &mut self,
-        need: &Reservation,
-        reserved: &mut Reservations,
-        plan: &mut StepPlan,
-        budget: &mut Budget,
-    ) -> bool {
-        let t = need.tenant;
-        while let Some(quota) = self.kv.quota(t) {
-            let held = self.kv.tenant_usage(t) as usize + reserved.blocks_of(t);
-            if held + need.blocks <= quota as usize {
-                break;
-            }
-            let Some(victim) = self.pick_victim(Some(t)) else {
+                Some(t) => self
+                    .kv
+                    .quota(t)
+                    .filter(|&quota| {
+                        let held = self.kv.tenant_usage(t) as usize + reserved.blocks_of(t);
+                        held + need.blocks > quota as usize
+                    })
+                    .map(Some),
+            };
+            let Some(quota) = short_of else {
+                return true;
+            };
+            let Some(victim) = self.pick_victim(within) else {
                 return false;
             };
             let alone = self
                 .running
                 .iter()
-                .filter(|g| self.tenant_of(**g) == Some(t))
+                .filter(|g| within.is_none_or(|t| self.tenant_of(**g) == Some(t)))
                 .count()
                 == 1;
             self.withdraw(victim, reserved, plan, budget);
             if victim == need.group {
                 if alone {
-                    let reason = format!(
-                        "the request no longer fits in its tenant's KV quota of {quota} blocks"
-                    );
+                    let reason = match quota {
+                        None => "the request no longer fits in the KV cache".to_owned(),
+                        Some(q) => format!(
+                            "the request no longer fits in its tenant's KV quota of {q} blocks"
+                        ),
+                    };
                     self.reject(victim, &reason, plan);
                 }
                 return false;
             }
         }
-        true
     }
 
     /// Preempts `victim`, first taking back its reservation, if it has one, with its budget.

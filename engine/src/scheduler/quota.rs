@@ -1,7 +1,7 @@
 //! Per-tenant KV quotas at admission. A group is admitted only when its tenant's blocks, the
 //! blocks its tenant's running prefills still have to take, and the new group's prompt fit the
 //! quota together, so admitted prefills of one tenant cannot wedge each other half done. Decodes
-//! that reach the quota preempt within the tenant (see `make_quota_room` in [`super::core`]).
+//! that reach the quota preempt within the tenant (see `make_room` in `decode.rs`).
 //! O(running groups of the tenant + prompt blocks) per admission.
 
 use super::core::Scheduler;
@@ -31,9 +31,9 @@ impl Scheduler {
             return Ok(());
         };
         let tenant = group.tenant;
-        let Some(quota) = self.kv.quota(tenant) else {
+        if self.kv.quota(tenant).is_none() {
             return Ok(());
-        };
+        }
         // Samples recomputed after a preemption share their prompt's blocks, which each
         // prompt's count repeats: the group's worst case bounds the sum.
         let charged: usize = prompts
@@ -41,17 +41,8 @@ impl Scheduler {
             .map(|p| self.kv.blocks_charged_for_prompt(p))
             .sum::<usize>()
             .min(self.group_worst_blocks(gid).unwrap_or(usize::MAX));
-        let used = self.kv.tenant_usage(tenant);
-        let needed = charged + self.prefill_blocks_owed(tenant);
-        if used as usize + needed > quota as usize {
-            return Err(KvError::QuotaExceeded {
-                tenant,
-                used,
-                needed,
-                quota,
-            });
-        }
-        Ok(())
+        self.kv
+            .check_quota(Some(tenant), charged + self.prefill_blocks_owed(tenant))
     }
 
     /// Blocks the running prefills of `tenant` have yet to allocate.

@@ -10,9 +10,6 @@ use hyper::header::HeaderValue;
 use hyper::Response;
 use kvgate_protocol::openai::{ApiError, ErrorCode};
 
-/// The header that marks a response as the engine's fault.
-pub const FAULT_HEADER: &str = "x-kvgate-fault";
-
 /// Whether `e` is the engine's failure rather than the request's or an operator's choice: every
 /// 5xx but draining.
 pub fn is_engine_fault(e: &ApiError) -> bool {

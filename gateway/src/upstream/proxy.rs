@@ -63,8 +63,7 @@ pub enum Outcome {
     TimedOut,
 }
 
-/// The header by which an engine marks a 5xx as its own fault (not the request's).
-pub const FAULT_HEADER: &str = "x-kvgate-fault";
+pub use kvgate_http::FAULT_HEADER;
 
 /// Token counts an engine reports (`usage`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -440,8 +439,8 @@ impl SseEvents {
                     self.clean = true;
                 } else if p.starts_with(b"{\"error\"") {
                     self.engine_error = true;
-                } else if contains(p, b"\"usage\"") && usage(p).is_some() {
-                    self.served.usage = usage(p);
+                } else if let Some(u) = contains(p, b"\"usage\"").then(|| usage(p)).flatten() {
+                    self.served.usage = Some(u);
                     if contains(p, b"\"choices\":[]") {
                         if !self.wants_usage {
                             continue;
