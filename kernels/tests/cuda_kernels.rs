@@ -1,9 +1,11 @@
 //! Every CUDA kernel against the CPU backend (the reference), on seeded random inputs.
 //!
 //! Without a GPU (no driver, no NVRTC/cuBLAS, or no device) each GPU test prints
-//! `skipped: <reason>` and passes, so the file compiles and runs in CI everywhere. The first test
-//! needs only NVRTC: it compiles the embedded kernels through the backend's own module-build path
-//! and checks that every kernel the launchers call is exported.
+//! `skipped: <reason>` and passes, unless `KVGATE_REQUIRE_CUDA=1` (then it fails). CI runs the file
+//! with the emulator's stand-in driver first on `LD_LIBRARY_PATH` (kernels/emu): the device is then
+//! "kvgate emulated H200 (CPU)", and every kernel below runs, unchanged, on the CPU harness. The
+//! first test needs only NVRTC: it compiles the embedded kernels through the backend's own
+//! module-build path and checks that every kernel the launchers call is exported.
 //!
 //! Tolerances, relative to the largest |reference value| of each case:
 //! - exact (0): embedding, gathers, cache writes and block copies (same rounding on both sides:
@@ -27,7 +29,13 @@ use rand::seq::SliceRandom;
 fn gpu() -> Option<&'static Cuda> {
     static GPU: OnceLock<Result<Cuda, String>> = OnceLock::new();
     match GPU.get_or_init(|| Cuda::new(0).map_err(|e| e.to_string())) {
-        Ok(c) => Some(c),
+        Ok(c) => {
+            println!("on {}", c.device_name());
+            Some(c)
+        }
+        Err(e) if std::env::var_os("KVGATE_REQUIRE_CUDA").is_some() => {
+            panic!("KVGATE_REQUIRE_CUDA is set and there is no CUDA device: {e}")
+        }
         Err(e) => {
             println!("skipped: {e}");
             None

@@ -267,3 +267,30 @@ pub fn start_stream(addr: SocketAddr, path: &str, body: &str, n: usize) -> TcpSt
     }
     s
 }
+
+/// Greedy completions of `prompts` (`max_tokens` each, EOS ignored), one request per prompt,
+/// concurrent or one after another; the texts in prompt order.
+pub fn greedy_completions(
+    addr: SocketAddr,
+    prompts: &[&'static str],
+    max_tokens: usize,
+    concurrent: bool,
+) -> Vec<String> {
+    let run = move |p: &'static str| {
+        let body = format!(
+            r#"{{"model":"{MODEL}","prompt":"{p}","max_tokens":{max_tokens},"temperature":0,"ignore_eos":true}}"#
+        );
+        let r = request(addr, "POST", "/v1/completions", &[], &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["choices"][0]["text"].as_str().unwrap().to_owned()
+    };
+    if concurrent {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|&p| std::thread::spawn(move || run(p)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    } else {
+        prompts.iter().map(|&p| run(p)).collect()
+    }
+}

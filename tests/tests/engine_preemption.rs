@@ -2,7 +2,7 @@
 //! completes with exactly the output it has on an engine with room to spare, the preemptions are
 //! visible in the metrics, and no block is left behind.
 
-use kvgate_tests::{request, Engine, MODEL};
+use kvgate_tests::{greedy_completions, Engine, MODEL};
 
 const PROMPTS: [&str; 5] = [
     "List five animals:",
@@ -13,24 +13,7 @@ const PROMPTS: [&str; 5] = [
 ];
 
 fn outputs(e: &Engine, concurrent: bool) -> Vec<String> {
-    let addr = e.addr;
-    let run = move |p: &'static str| {
-        let body = format!(
-            r#"{{"model":"{MODEL}","prompt":"{p}","max_tokens":48,"temperature":0,"ignore_eos":true}}"#
-        );
-        let r = request(addr, "POST", "/v1/completions", &[], &body);
-        assert_eq!(r.status, 200, "{}", r.body);
-        r.json()["choices"][0]["text"].as_str().unwrap().to_owned()
-    };
-    if concurrent {
-        let handles: Vec<_> = PROMPTS
-            .iter()
-            .map(|p| std::thread::spawn(move || run(p)))
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    } else {
-        PROMPTS.iter().map(|p| run(p)).collect()
-    }
+    greedy_completions(e.addr, &PROMPTS, 48, concurrent)
 }
 
 fn check(mode: &str) {
