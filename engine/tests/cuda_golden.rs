@@ -1,5 +1,5 @@
 //! SmolLM2 end to end on the CUDA backend against the CPU backend: the same greedy tokens on the
-//! golden prompts of shared/ASSETS.md (f32 weights and f32 KV on both, so only summation order
+//! golden prompts of docs/golden-outputs.md (f32 weights and f32 KV on both, so only summation order
 //! differs), the chat answer "The capital of France is Paris."; with bf16 weights and KV on the
 //! GPU (tensor-core GEMMs) it reports whether the golden tokens hold. Also prints decode tokens/s
 //! per backend (batch 1, no assertion).

@@ -1,5 +1,5 @@
 //! The real SmolLM2 tokenizer and chat template, imported from its GGUF, produce the token ids of
-//! shared/ASSETS.md.
+//! docs/golden-outputs.md.
 
 mod common;
 

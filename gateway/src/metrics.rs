@@ -1,5 +1,5 @@
-//! The gateway's Prometheus metrics (names in shared/DESIGN.md), rendered in the text exposition
-//! format on the admin listener's `/metrics`. Tenant labels only carry configured tenant ids
+//! The gateway's Prometheus metrics (every name the dashboards and alert rules use), rendered in
+//! the text exposition format on the admin listener's `/metrics`. Tenant labels only carry configured tenant ids
 //! (unauthenticated requests count under `tenant="-"`), so label sets stay bounded.
 
 use std::collections::BTreeMap;

@@ -1,5 +1,5 @@
 //! Decode attention on the GPU: effective bandwidth of the paged decode kernel next to the
-//! device-to-device copy bandwidth measured in the same run (issue 7's target: at least 70%).
+//! device-to-device copy bandwidth measured in the same run (the target: at least 70%).
 //!
 //! Shapes: batch 64, context 2,048 and 16,384, 32 query heads / 8 KV heads, head dim 128, bf16
 //! KV, block size 16, block tables shuffled over the pool (paging, not contiguous). Effective

@@ -63,6 +63,9 @@ fn main() {
         // extern __shared__ arrays are extern thread_local with no dynamic initialization:
         // access them directly, not through a (weak, undefined) TLS init wrapper.
         b.flag("-fno-extern-tls-init");
+        // A misaligned access traps (ud2), which the harness reports as the GPU would.
+        b.flag("-fsanitize=alignment")
+            .flag("-fsanitize-undefined-trap-on-error");
         b
     };
 

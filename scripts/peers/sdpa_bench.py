@@ -1,5 +1,5 @@
 """PyTorch scaled_dot_product_attention on the decode shapes of kernels/benches/cuda_attention.rs,
-with contiguous KV (the unpaged baseline issue 7 compares the paged kernel against).
+with contiguous KV (the unpaged baseline the paged kernel is compared against).
 
 Shapes: batch 64, one query token, context 2,048 and 16,384, 32 query heads / 8 KV heads, head dim
 128, bf16. GQA through `enable_gqa=True` (PyTorch >= 2.5); older versions expand the KV heads

@@ -65,7 +65,7 @@ pub struct SimArgs {
     tokenizer_dir: PathBuf,
 }
 
-/// Targets of issue 5.
+/// The routing targets kvgate holds itself to.
 const TARGET_VS_ORACLE: f64 = 0.95;
 const TARGET_MAX_OVER_MEAN: f64 = 1.25;
 const TARGET_DECISION_US: f64 = 20.0;
@@ -251,7 +251,7 @@ fn table(trace: &Trace, results: &[PolicyResult], timing: Option<&DecisionTiming
     if let Some(p) = find("prefix") {
         let reasons: Vec<String> = p.reasons.iter().map(|(k, v)| format!("{k} {v}")).collect();
         let _ = writeln!(s, "\nprefix decisions by reason: {}", reasons.join(", "));
-        let _ = writeln!(s, "\nkvgate `prefix` against issue 5's targets:");
+        let _ = writeln!(s, "\nkvgate `prefix` against its targets:");
         if let Some(v) = p.vs_oracle {
             let _ = writeln!(
                 s,

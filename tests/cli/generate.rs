@@ -1,4 +1,4 @@
-//! `kvgate generate` end to end on the real SmolLM2 (shared/ASSETS.md's golden outputs), through
+//! `kvgate generate` end to end on the real SmolLM2 (docs/golden-outputs.md), through
 //! the same commands a newcomer runs: the default model is fetched and imported on first use.
 //!
 //! `KVGATE_HOME` points the child process at `target/kvgate-test-assets`, where `scripts/test`
@@ -13,6 +13,11 @@ fn home() -> PathBuf {
 }
 
 fn generate(args: &[&str]) -> (String, Vec<u32>) {
+    generate_with_stderr(args).0
+}
+
+/// `kvgate generate ARGS --ids`: (first line, output ids), and stderr.
+fn generate_with_stderr(args: &[&str]) -> ((String, Vec<u32>), String) {
     let out = Command::new(env!("CARGO_BIN_EXE_kvgate"))
         .env("KVGATE_HOME", home())
         .arg("generate")
@@ -36,7 +41,11 @@ fn generate(args: &[&str]) -> (String, Vec<u32>) {
         .filter(|s| !s.is_empty())
         .map(|s| s.parse().expect("token id"))
         .collect();
-    (stdout.lines().next().unwrap_or_default().to_owned(), ids)
+    let first = stdout.lines().next().unwrap_or_default().to_owned();
+    (
+        (first, ids),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[test]
@@ -75,9 +84,35 @@ fn golden_outputs_in_f32_and_f16() {
     }
 }
 
+/// `--device cuda`: on a GPU, or on the emulated one (kernels/emu) in CI, the golden answer.
+#[cfg(feature = "cuda")]
 #[test]
-fn bad_model_paths_are_one_line_errors() {
-    let cases: [&[&str]; 3] = [
+fn golden_output_on_device_cuda() {
+    if let Err(e) = kvgate_kernels::Cuda::new(0) {
+        assert!(
+            std::env::var_os("KVGATE_REQUIRE_CUDA").is_none(),
+            "KVGATE_REQUIRE_CUDA is set and there is no CUDA device: {e}"
+        );
+        eprintln!("skipped: {e}");
+        return;
+    }
+    let args = [
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--device",
+        "cuda",
+    ];
+    let ((text, ids), stderr) = generate_with_stderr(&args);
+    println!("{}", stderr.trim());
+    assert!(stderr.contains("device: "), "{stderr}");
+    assert_eq!(ids, [504, 3575, 282, 4649, 314, 7042, 30]);
+    assert_eq!(text, "The capital of France is Paris.");
+}
+
+#[test]
+fn bad_model_paths_and_devices_are_one_line_errors() {
+    let cases: [&[&str]; 5] = [
         &["generate", "--model", "/nonexistent", "--prompt", "hi"],
         &[
             "generate",
@@ -92,6 +127,8 @@ fn bad_model_paths_are_one_line_errors() {
             "/nonexistent/x.gguf",
             "/tmp/kvgate-never",
         ],
+        &["generate", "--prompt", "hi", "--device", "tpu"],
+        &["generate", "--prompt", "hi", "--device", "cuda:999"],
     ];
     for args in cases {
         let out = Command::new(env!("CARGO_BIN_EXE_kvgate"))
@@ -99,7 +136,12 @@ fn bad_model_paths_are_one_line_errors() {
             .args(args)
             .output()
             .expect("kvgate runs");
-        let stderr = String::from_utf8_lossy(&out.stderr);
+        // The emulated driver (kernels/emu) announces itself on stderr; the rest is the error.
+        let stderr: String = String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .filter(|l| !l.starts_with("kvgate cuda emulation:"))
+            .map(|l| format!("{l}\n"))
+            .collect();
         assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
         assert!(
             stderr.starts_with("error: ") && !stderr.contains("panicked"),

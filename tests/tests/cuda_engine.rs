@@ -9,28 +9,32 @@ use kvgate_tests::{greedy_completions, Engine};
 
 const PARIS: &str = "The capital of France is Paris.";
 
-/// Whether a CUDA device (real or emulated) is here; its name is printed.
-fn cuda_device() -> bool {
+/// The device's memory is shared: one test at a time (the pools are sized from what is free).
+static DEVICE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The device lock when a CUDA device (real or emulated) is here; its name is printed.
+fn cuda_device() -> Option<std::sync::MutexGuard<'static, ()>> {
+    let guard = DEVICE.lock().unwrap_or_else(|e| e.into_inner());
     match kvgate_kernels::Cuda::new(0) {
         Ok(c) => {
             println!("on {}", c.device_name());
-            true
+            Some(guard)
         }
         Err(e) if std::env::var_os("KVGATE_REQUIRE_CUDA").is_some() => {
             panic!("KVGATE_REQUIRE_CUDA is set and there is no CUDA device: {e}")
         }
         Err(e) => {
             println!("skipped: {e}");
-            false
+            None
         }
     }
 }
 
 #[test]
 fn cuda_engine_answers_golden_and_reuses_prefixes() {
-    if !cuda_device() {
+    let Some(_device) = cuda_device() else {
         return;
-    }
+    };
     // The pool sized from the device's free memory (the emulated device has 4 GiB).
     let e = Engine::start("device = \"cuda\"\n[kv]\ngpu_memory_fraction = 0.4");
     let ask = || {
@@ -50,9 +54,9 @@ fn cuda_engine_answers_golden_and_reuses_prefixes() {
 
 #[test]
 fn cuda_engine_swap_preemption_keeps_outputs_identical() {
-    if !cuda_device() {
+    let Some(_device) = cuda_device() else {
         return;
-    }
+    };
     const PROMPTS: [&str; 4] = [
         "List five animals:",
         "Write a haiku about rain.",

@@ -66,7 +66,7 @@ fn completions_stream_and_usage() {
         .iter()
         .filter_map(|c| c["choices"][0]["text"].as_str())
         .collect();
-    // shared/ASSETS.md's golden ids [351, 253, 2365, 6354, 7012, 30, 198, 198, 504, 2798, 6330, 314].
+    // docs/golden-outputs.md's golden ids [351, 253, 2365, 6354, 7012, 30, 198, 198, 504, 2798, 6330, 314].
     assert_eq!(
         text,
         " with a quick brown bear.\n\nThe original sentence is"

@@ -1,5 +1,5 @@
-//! The engine's Prometheus metrics: every name of shared/DESIGN.md, declared here once with its
-//! help text, rendered in the text exposition format on `GET /metrics`.
+//! The engine's Prometheus metrics: every name the dashboards and alert rules use, declared here
+//! once with its help text, rendered in the text exposition format on `GET /metrics`.
 //!
 //! The engine thread updates gauges and counters once per step and observes latencies as tokens
 //! go out; a scrape locks the state briefly and renders it. Labels are bounded: states and modes

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod runner;
 pub mod tiny;
 
 use kvgate_engine::model::gguf::import_gguf;
@@ -48,7 +49,7 @@ pub fn smollm2_dir() -> Option<PathBuf> {
     Some(dir)
 }
 
-/// The golden ChatML prompt of shared/ASSETS.md.
+/// The golden ChatML prompt of docs/golden-outputs.md.
 pub const GOLDEN_CHAT_PROMPT_HEAD: [u32; 6] = [1, 9690, 198, 2683, 359, 253];
 pub const GOLDEN_CHAT_PROMPT_TAIL: [u32; 6] = [2, 198, 1, 520, 9531, 198];
 pub const GOLDEN_CHAT_ANSWER: [u32; 7] = [504, 3575, 282, 4649, 314, 7042, 30];

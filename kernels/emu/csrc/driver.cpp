@@ -404,6 +404,7 @@ KVGATE_EMU_API CUresult cuGetErrorName(CUresult code, const char** out) {
         case kIllegalAddress: *out = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
         case kLaunchOutOfResources: *out = "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"; break;
         case kLaunchFailed: *out = "CUDA_ERROR_LAUNCH_FAILED"; break;
+        case kMisalignedAddress: *out = "CUDA_ERROR_MISALIGNED_ADDRESS"; break;
         case kNotSupported: *out = "CUDA_ERROR_NOT_SUPPORTED"; break;
         default: *out = "CUDA_ERROR_UNKNOWN"; return kInvalidValue;
     }

@@ -250,12 +250,15 @@ std::string range_problem(Memory& m, uint64_t p, size_t bytes) {
                    bytes, (unsigned long long)(p - before->ptr), (unsigned long long)before->id, before->size,
                    (unsigned long long)before->ptr, (unsigned long long)(p + bytes - before->ptr - before->size));
     }
-    if (before && p >= before->ptr && p < before->ptr + before->size + kGuard)
+    // In the gap between two allocations: name the nearer one.
+    const Alloc* after = it != map.end() ? &it->second : nullptr;
+    const uint64_t past = before && p >= before->ptr + before->size ? p - (before->ptr + before->size) : ~0ull;
+    const uint64_t ahead = after && p < after->ptr ? after->ptr - p : ~0ull;
+    if (past < kGuard && past <= ahead)
         return fmt("0x%llx is at offset %llu of allocation #%llu, which has %zu bytes (at 0x%llx)%s",
                    (unsigned long long)p, (unsigned long long)(p - before->ptr), (unsigned long long)before->id,
                    before->size, (unsigned long long)before->ptr, before->live ? ": past the end" : " and was freed");
-    const Alloc* after = it != map.end() ? &it->second : nullptr;
-    if (after && p < after->ptr && p + kGuard > after->ptr)
+    if (ahead < kGuard)
         return fmt("0x%llx is %llu bytes before the start of allocation #%llu (%zu bytes at 0x%llx)",
                    (unsigned long long)p, (unsigned long long)(after->ptr - p), (unsigned long long)after->id,
                    after->size, (unsigned long long)after->ptr);
@@ -569,7 +572,7 @@ std::string run_block(const Launch& l, uint3 bidx, const std::vector<int>& order
 }
 
 // Faults in the device range (or a fiber's stack guard) during a kernel end that kernel's block.
-struct sigaction g_old_segv, g_old_bus;
+struct sigaction g_old_segv, g_old_bus, g_old_ill;
 
 [[noreturn]] void fault_exit() { fail(g_tls.fault); }
 
@@ -581,7 +584,10 @@ void on_fault(int sig, siginfo_t* si, void* uctx) {
         const bool write = (uc->uc_mcontext.gregs[REG_ERR] & 2) != 0;
         const uint64_t stacks = (uint64_t)(uintptr_t)t.stacks;
         std::string what;
-        if (in_arena(a)) {
+        if (sig == SIGILL) {
+            // The kernels are built with -fsanitize=alignment trapping: a misaligned access.
+            what = "misaligned address: a load or store not aligned to the size of its type";
+        } else if (in_arena(a)) {
             Memory& m = memory();
             std::lock_guard<std::mutex> g(m.mu);
             what = fmt("illegal %s: ", write ? "write" : "read") + range_problem(m, a, 1);
@@ -602,7 +608,7 @@ void on_fault(int sig, siginfo_t* si, void* uctx) {
         static const char msg[] = "kvgate cuda emulation: host code touched emulated device memory\n";
         (void)!write(2, msg, sizeof msg - 1);
     }
-    struct sigaction& old = sig == SIGBUS ? g_old_bus : g_old_segv;
+    struct sigaction& old = sig == SIGBUS ? g_old_bus : sig == SIGILL ? g_old_ill : g_old_segv;
     if (old.sa_flags & SA_SIGINFO) {
         old.sa_sigaction(sig, si, uctx);
     } else if (old.sa_handler == SIG_IGN || old.sa_handler == SIG_DFL) {
@@ -622,6 +628,7 @@ void install_fault_handler() {
         sigemptyset(&sa.sa_mask);
         sigaction(SIGSEGV, &sa, &g_old_segv);
         sigaction(SIGBUS, &sa, &g_old_bus);
+        sigaction(SIGILL, &sa, &g_old_ill);
     });
 }
 
@@ -888,6 +895,7 @@ int execute(const Launch& l, std::string* err) {
     });
     if (!first.empty()) {
         *err = first;
+        if (first.find("misaligned address") != std::string::npos) return kMisalignedAddress;
         return first.find("illegal ") != std::string::npos ? kIllegalAddress : kLaunchFailed;
     }
     // Writes that stayed inside an allocation's page but past its end (or before its start).

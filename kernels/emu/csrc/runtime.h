@@ -29,6 +29,7 @@ enum Code : int {
     kIllegalAddress = 700,
     kLaunchOutOfResources = 701,
     kIllegalInstruction = 715,
+    kMisalignedAddress = 716,
     kLaunchFailed = 719,
     kNotSupported = 801,
 };

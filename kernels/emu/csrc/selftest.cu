@@ -119,3 +119,9 @@ extern "C" __global__ void __launch_bounds__(1024) selftest_dyn_overflow(float* 
 
 // Declares 256 threads at most (launched with more in the tests).
 extern "C" __global__ void __launch_bounds__(256) selftest_bounded(float* out) { out[threadIdx.x] = 1.f; }
+
+// Wrong: a 16-byte vector load from an address 4 bytes past a 16-byte boundary.
+extern "C" __global__ void __launch_bounds__(1024) selftest_misaligned(const float* x, float* out) {
+    const float4 v = *reinterpret_cast<const float4*>(x + 1);
+    out[threadIdx.x] = v.x;
+}

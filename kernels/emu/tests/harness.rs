@@ -47,6 +47,7 @@ fn expect_failure(
 const ILLEGAL_ADDRESS: i32 = 700;
 const LAUNCH_FAILED: i32 = 719;
 const INVALID_VALUE: i32 = 1;
+const MISALIGNED_ADDRESS: i32 = 716;
 const OUT_OF_RESOURCES: i32 = 701;
 
 #[test]
@@ -454,4 +455,18 @@ fn emulated_shuffle_masks_must_name_every_participant() {
             &[words],
         );
     }
+}
+
+#[test]
+fn emulated_misaligned_vector_access_fails() {
+    let h = harness();
+    let (xp, op) = (h.upload(&[1.0f32; 64]), h.alloc(4 * 64).unwrap());
+    expect_failure(
+        &h,
+        "selftest_misaligned",
+        Shape::linear(1, 32),
+        &[Arg::Ptr(xp), Arg::Ptr(op)],
+        MISALIGNED_ADDRESS,
+        &["misaligned address"],
+    );
 }

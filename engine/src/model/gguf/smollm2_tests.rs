@@ -1,4 +1,4 @@
-//! The real default model: SmolLM2-135M-Instruct's Q4_1 GGUF (see shared/ASSETS.md), imported
+//! The real default model: SmolLM2-135M-Instruct's Q4_1 GGUF (see docs/golden-outputs.md), imported
 //! and checked against its known config and tokenizer ids. Skipped, with a message, when the
 //! file has not been extracted to `target/kvgate-test-assets/`.
 
