@@ -69,6 +69,10 @@ pub struct Cuda {
     pub(crate) uploads: Mutex<Uploads>,
     /// Activations narrowed to 16 bits for a half-precision GEMM (grown as needed).
     pub(crate) half_scratch: Mutex<Option<cudarc::driver::CudaSlice<u16>>>,
+    /// Held while one operation queues its work: the metadata buffers and the scratch above are
+    /// shared, so two threads' uploads and launches must not interleave on the stream (thread
+    /// B's upload landing between thread A's upload and A's kernel would hand A B's block tables).
+    op: Mutex<()>,
     device_name: String,
     arch: String,
 }
@@ -127,6 +131,7 @@ impl Cuda {
             funcs,
             uploads: Mutex::new(Uploads::default()),
             half_scratch: Mutex::new(None),
+            op: Mutex::new(()),
             device_name,
             arch,
         })
@@ -168,6 +173,11 @@ impl Cuda {
     /// Reads a whole pool back as f32 (tests and debugging).
     pub fn read_cache(&self, cache: &CudaCache) -> Vec<f32> {
         cache::read_cache(self, cache)
+    }
+
+    /// Serializes one operation's uploads and launches against other threads' (see `op`).
+    fn serial(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.op.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub(crate) fn func(&self, name: &str) -> &CudaFunction {
@@ -341,6 +351,7 @@ impl Backend for Cuda {
     }
 
     fn embedding(&self, table: &CudaWeight, ids: &[u32], out: &mut CudaTensor) {
+        let _op = self.serial();
         ops::embedding(self, table, ids, out)
     }
 
@@ -355,6 +366,7 @@ impl Backend for Cuda {
         bias: Option<&CudaWeight>,
         out: &mut CudaTensor,
     ) {
+        let _op = self.serial();
         matmul::matmul(self, x, w, bias, out)
     }
 
@@ -363,10 +375,12 @@ impl Backend for Cuda {
     }
 
     fn gather_rows(&self, x: &CudaTensor, rows: &[u32], out: &mut CudaTensor) {
+        let _op = self.serial();
         ops::gather_rows(self, x, rows, out)
     }
 
     fn apply_rope(&self, rope: &CudaRope, x: &mut CudaTensor, positions: &[u32]) {
+        let _op = self.serial();
         ops::apply_rope(self, rope, x, positions)
     }
 
@@ -382,6 +396,7 @@ impl Backend for Cuda {
         v_cache: &mut CudaCache,
         slots: &[u32],
     ) {
+        let _op = self.serial();
         cache::reshape_and_cache(self, k, v, k_cache, v_cache, slots)
     }
 
@@ -394,14 +409,17 @@ impl Backend for Cuda {
         scale: f32,
         out: &mut CudaTensor,
     ) {
+        let _op = self.serial();
         attention::paged_attention(self, q, k_cache, v_cache, seqs, scale, out)
     }
 
     fn copy_blocks(&self, cache: &mut CudaCache, pairs: &[(u32, u32)]) {
+        let _op = self.serial();
         cache::copy_blocks(self, &mut [cache], pairs)
     }
 
     fn copy_blocks_many(&self, caches: &mut [&mut CudaCache], pairs: &[(u32, u32)]) {
+        let _op = self.serial();
         cache::copy_blocks(self, caches, pairs)
     }
 

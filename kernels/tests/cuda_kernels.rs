@@ -413,3 +413,41 @@ fn decode_only_batches_take_v1_and_v2_and_agree() {
         assert_close(&got, &f64s(&want), 2e-4, &format!("decode ctx {ctx}"));
     }
 }
+
+/// Threads sharing one backend each get their own results: an operation's metadata upload and
+/// its launch are never split by another thread's (they share the metadata buffers).
+#[test]
+fn threads_sharing_the_backend_get_their_own_attention() {
+    let Some(g) = gpu() else { return };
+    let cpu = Cpu::new();
+    let shape = AttnShape {
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        block_size: 16,
+    };
+    let blocks = 64;
+    let (cp, gp) = (
+        filled(&cpu, shape, DType::F32, blocks, 5),
+        filled(g, shape, DType::F32, blocks, 5),
+    );
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (cpu, cp, gp) = (&cpu, &cp, &gp);
+            s.spawn(move || {
+                // Each thread its own block tables and context lengths.
+                let mut order: Vec<u32> = (0..blocks as u32).collect();
+                order.shuffle(&mut rng(t));
+                let ctx = 40 + 30 * t as usize;
+                let tables = vec![order[..ctx.div_ceil(16)].to_vec()];
+                let lens = [(1, ctx)];
+                let q = random(&mut rng(t + 10), shape.num_heads * shape.head_dim, 1.0);
+                let want = run_attention(cpu, cp, shape, &tables, &lens, &q);
+                for i in 0..25 {
+                    let got = run_attention(g, gp, shape, &tables, &lens, &q);
+                    assert_close(&got, &f64s(&want), 2e-4, &format!("thread {t}, round {i}"));
+                }
+            });
+        }
+    });
+}

@@ -81,12 +81,13 @@ float dot(const float* a, const float* b, long k) {
 int gemm(const char* name, Mat a, Mat b, uint64_t c, int cty, long ldc, float alpha, float beta, std::string* err) {
     const long m = a.rows, n = b.cols, k = a.cols;
     std::string why;
-    if (a.bytes() && !range_ok(a.ptr, a.bytes(), &why)) {
+    const bool reads_ab = alpha != 0.f && k > 0;  // cuBLAS reads neither A nor B otherwise
+    if (reads_ab && a.bytes() && !range_ok(a.ptr, a.bytes(), &why)) {
         *err = std::string(name) + ": matrix A (" + std::to_string(a.stored_rows()) + " x " +
                std::to_string(a.stored_cols()) + ", lda " + std::to_string(a.ld) + "): " + why;
         return kIllegalAddress;
     }
-    if (b.bytes() && !range_ok(b.ptr, b.bytes(), &why)) {
+    if (reads_ab && b.bytes() && !range_ok(b.ptr, b.bytes(), &why)) {
         *err = std::string(name) + ": matrix B (" + std::to_string(b.stored_rows()) + " x " +
                std::to_string(b.stored_cols()) + ", ldb " + std::to_string(b.ld) + "): " + why;
         return kIllegalAddress;
@@ -98,6 +99,22 @@ int gemm(const char* name, Mat a, Mat b, uint64_t c, int cty, long ldc, float al
         return kIllegalAddress;
     }
     if (m == 0 || n == 0) return kSuccess;
+    if (!reads_ab) {
+        for (long j = 0; j < n; ++j)
+            for (long i = 0; i < m; ++i) {
+                const size_t at = (size_t)i + (size_t)j * ldc;
+                if (cty == kR32F) {
+                    float* cp = reinterpret_cast<float*>(c) + at;
+                    *cp = beta == 0.f ? 0.f : beta * *cp;
+                } else {
+                    uint16_t* cp = reinterpret_cast<uint16_t*>(c) + at;
+                    const float old = cty == kR16F ? f16_to_f32(*cp) : bf16_to_f32(*cp);
+                    const float v = beta == 0.f ? 0.f : beta * old;
+                    *cp = cty == kR16F ? __float2half_rn(v).__x : __float2bfloat16_rn(v).__x;
+                }
+            }
+        return kSuccess;
+    }
     // op(B) as n contiguous f32 columns of k; op(A) row by row, per chunk of rows.
     std::vector<float> bt((size_t)n * k);
     for (long j = 0; j < n; ++j)
@@ -195,9 +212,13 @@ KVGATE_EMU_API cublasStatus_t cublasGemmEx(Handle* h, int ta, int tb, int m, int
     if (!alpha || !beta) return kInvalid;
     auto supported = [](int t) { return t == kR32F || t == kR16F || t == kR16BF; };
     if (!supported(aty) || !supported(bty) || !supported(cty)) return kBlasNotSupported;
-    if (aty != bty) return kBlasNotSupported;  // cuBLAS pairs A and B types
-    // CUBLAS_COMPUTE_32F and its _FAST_16F / _FAST_16BF / _FAST_TF32 variants: f32 scalars.
-    if (compute != 68 && compute != 74 && compute != 75 && compute != 77) return kBlasNotSupported;
+    // The combinations cuBLAS documents for an f32 compute type: A and B of one type, C of that
+    // type or f32 (f32 inputs: f32 C only); the _FAST_16F / _FAST_16BF / _FAST_TF32 compute types
+    // only with f32 inputs.
+    if (aty != bty) return kBlasNotSupported;
+    if (aty == kR32F ? cty != kR32F : (cty != aty && cty != kR32F)) return kBlasNotSupported;
+    if (compute != 68 && !(aty == kR32F && (compute == 74 || compute == 75 || compute == 77)))
+        return kBlasNotSupported;
     if (const cublasStatus_t s = check_args(ta, tb, m, n, k, lda, ldb, ldc)) return s;
     return submit(h, "cublasGemmEx", ta, tb, m, n, k, *static_cast<const float*>(alpha), (uint64_t)a, aty, lda,
                   (uint64_t)b, bty, ldb, *static_cast<const float*>(beta), (uint64_t)c, cty, ldc);

@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -60,9 +61,12 @@ struct Driver {
     bool initialized = false;
     int sticky = kSuccess;
     std::string sticky_msg;
-    std::deque<std::string> messages;  // cuGetErrorString results stay valid
+    std::map<int, std::string> last;  // the last explanation of each error code
+    std::set<std::string> interned;   // cuGetErrorString results stay valid
     Stream null_stream;
     std::vector<Stream*> streams;
+    // Destroyed streams and events stay allocated: queued work may still name them.
+    std::vector<Stream*> retired_streams;
     int ctx_refs = 0;
 };
 
@@ -72,7 +76,9 @@ Driver& drv() {
 }
 
 int g_context_token;  // the one context's handle points here
-thread_local bool g_current = false;
+// Nonzero-initialized, so that it lives in the TLS image and not in the .tbss the harness poisons
+// as shared memory: 1 when the context is current on this thread, -1 when not.
+thread_local int g_current = -1;
 
 void log_failure(int code, const std::string& msg) {
     fprintf(stderr, "kvgate cuda emulation: error %d: %s\n", code, msg.c_str());
@@ -91,6 +97,7 @@ int flush(Stream* s, uint64_t upto) {
         if (code != kSuccess) {
             d.sticky = code;
             d.sticky_msg = err;
+            d.last[code] = err;
             log_failure(code, err);
         }
     }
@@ -121,9 +128,17 @@ void enqueue(Stream* s, std::function<int(std::string*)> fn) {
 
 int fail_now(int code, const std::string& msg) {
     log_failure(code, msg);
-    Driver& d = drv();
-    d.messages.push_back(msg);
+    drv().last[code] = msg;
     return code;
+}
+
+// A typed copy's sides must be the kinds its name says (the driver checks too).
+int check_direction(const char* op, bool dst_device, bool src_device, uint64_t dst, uint64_t src) {
+    const bool dd = classify(dst) == MemKind::Device, sd = classify(src) == MemKind::Device;
+    if (dd == dst_device && sd == src_device) return kSuccess;
+    return fail_now(kInvalidValue, std::string(op) + ": the " + (dd != dst_device ? "destination" : "source") +
+                                       " is " + ((dd != dst_device ? dd : sd) ? "device" : "host") +
+                                       " memory (swapped arguments?)");
 }
 
 // Copies of `bytes` bytes; each side is checked against its allocation when it is device or
@@ -349,13 +364,13 @@ KVGATE_EMU_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
 
 KVGATE_EMU_API CUresult cuCtxSetCurrent(void* ctx) {
     if (ctx && ctx != &g_context_token) return kInvalidContext;
-    g_current = ctx != nullptr;
+    g_current = ctx ? 1 : -1;
     return kSuccess;
 }
 
 KVGATE_EMU_API CUresult cuCtxGetCurrent(void** ctx) {
     if (!ctx) return kInvalidValue;
-    *ctx = g_current ? &g_context_token : nullptr;
+    *ctx = g_current == 1 ? &g_context_token : nullptr;
     return kSuccess;
 }
 
@@ -418,10 +433,10 @@ KVGATE_EMU_API CUresult cuGetErrorString(CUresult code, const char** out) {
     std::lock_guard<std::recursive_mutex> g(d.mu);
     const char* name = nullptr;
     cuGetErrorName(code, &name);
-    std::string last = d.sticky == code ? d.sticky_msg : (d.messages.empty() ? "" : d.messages.back());
-    d.messages.push_back(std::string(name ? name : "CUDA_ERROR_UNKNOWN") + " (emulated)" +
-                         (last.empty() ? "" : ": " + last));
-    *out = d.messages.back().c_str();
+    auto it = d.last.find(code);
+    const std::string why = d.sticky == code ? d.sticky_msg : (it == d.last.end() ? "" : it->second);
+    *out = d.interned.insert(std::string(name ? name : "CUDA_ERROR_UNKNOWN") + " (emulated)" + (why.empty() ? "" : ": " + why))
+               .first->c_str();
     return kSuccess;
 }
 
@@ -490,14 +505,17 @@ KVGATE_EMU_API CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr* dp, void* p, u
 
 KVGATE_EMU_API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
     API_ENTRY;
+    if (const int e = check_direction("cuMemcpyHtoD", true, false, dst, (uint64_t)src)) return e;
     return copy_sync(dst, (uint64_t)src, n, "cuMemcpyHtoD");
 }
 KVGATE_EMU_API CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
     API_ENTRY;
+    if (const int e = check_direction("cuMemcpyDtoH", false, true, (uint64_t)dst, src)) return e;
     return copy_sync((uint64_t)dst, src, n, "cuMemcpyDtoH");
 }
 KVGATE_EMU_API CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     API_ENTRY;
+    if (const int e = check_direction("cuMemcpyDtoD", true, true, dst, src)) return e;
     return copy_sync(dst, src, n, "cuMemcpyDtoD");
 }
 KVGATE_EMU_API CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) {
@@ -506,14 +524,17 @@ KVGATE_EMU_API CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) {
 }
 KVGATE_EMU_API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, void* s) {
     API_ENTRY;
+    if (const int e = check_direction("cuMemcpyHtoDAsync", true, false, dst, (uint64_t)src)) return e;
     return copy_async(dst, (uint64_t)src, n, s, "cuMemcpyHtoDAsync");
 }
 KVGATE_EMU_API CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, void* s) {
     API_ENTRY;
+    if (const int e = check_direction("cuMemcpyDtoHAsync", false, true, (uint64_t)dst, src)) return e;
     return copy_async((uint64_t)dst, src, n, s, "cuMemcpyDtoHAsync");
 }
 KVGATE_EMU_API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void* s) {
     API_ENTRY;
+    if (const int e = check_direction("cuMemcpyDtoDAsync", true, true, dst, src)) return e;
     return copy_async(dst, src, n, s, "cuMemcpyDtoDAsync");
 }
 KVGATE_EMU_API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void* s) {
@@ -559,7 +580,7 @@ KVGATE_EMU_API CUresult cuStreamDestroy_v2(void* h) {
     if (it == d.streams.end()) return kInvalidHandle;
     flush(s, s->queued);  // a destroyed stream's work still completes
     d.streams.erase(it);
-    delete s;
+    d.retired_streams.push_back(s);
     return kSuccess;
 }
 
@@ -597,10 +618,8 @@ KVGATE_EMU_API CUresult cuEventCreate(void** out, unsigned) {
     return kSuccess;
 }
 
-KVGATE_EMU_API CUresult cuEventDestroy_v2(void* ev) {
-    delete static_cast<Event*>(ev);
-    return kSuccess;
-}
+// Events are never freed: a queued record may still write into one (cudarc records, then drops).
+KVGATE_EMU_API CUresult cuEventDestroy_v2(void* ev) { return ev ? kSuccess : kInvalidHandle; }
 
 KVGATE_EMU_API CUresult cuEventRecord(void* ev, void* h) {
     API_ENTRY;
@@ -660,7 +679,7 @@ KVGATE_EMU_API CUresult cuModuleLoadData(void** out, const void* image) {
     }
     // Names the image has and the emulator lacks: remember them for the error below.
     for (auto& [name, info] : found)
-        if (!find_kernel(name)) d.messages.push_back("cuModuleLoadData: kernel " + name + " has no emulated build");
+        if (!find_kernel(name)) d.last[kNotFound] = "cuModuleLoadData: kernel " + name + " has no emulated build";
     *out = m;
     return kSuccess;
 }
@@ -679,8 +698,8 @@ KVGATE_EMU_API CUresult cuModuleGetFunction(void** out, void* mod, const char* n
             *out = f.get();
             return kSuccess;
         }
-    d.messages.push_back(std::string("cuModuleGetFunction: no kernel ") + name + " in this module");
-    return kNotFound;
+    return fail_now(kNotFound, std::string("cuModuleGetFunction: no kernel ") + name +
+                                   " in this module (or no emulated build of it)");
 }
 
 KVGATE_EMU_API CUresult cuFuncGetAttribute(int* v, int attr, void* fn) {

@@ -331,13 +331,28 @@ struct Fiber {
     State st;
 };
 
-struct WarpSync {
+// One pending warp exchange: the lanes of `mask` meet at one intrinsic.
+struct Group {
     uint32_t arrived = 0, mask = 0;
     int kind = 0;
     const char* file = nullptr;
     int line = 0;
-    uint32_t val[32], out[32];
+    uint32_t val[32];
     int src[32];
+};
+
+// A warp's pending exchanges (disjoint masks: groups of lanes may exchange independently) and
+// each lane's last result.
+struct WarpSync {
+    Group groups[32];
+    int n = 0;
+    uint32_t out[32];
+
+    const Group* of_lane(int lane) const {
+        for (int i = 0; i < n; ++i)
+            if (groups[i].mask >> lane & 1) return &groups[i];
+        return nullptr;
+    }
 };
 
 struct Block {
@@ -367,13 +382,14 @@ struct Tls {
     Fiber* fiber;
     int linear;
     uint8_t* stacks;
+    size_t nslots;  // stack slots mapped at `stacks`
     Fiber* fibers;
     uint8_t* shared;  // this thread's .tbss of this library
     size_t shared_len;
     bool shared_known;
     char fault[512];
 };
-thread_local Tls g_tls = {1, {}, nullptr, nullptr, 0, nullptr, nullptr, nullptr, 0, false, {}};
+thread_local Tls g_tls = {1, {}, nullptr, nullptr, 0, nullptr, 0, nullptr, nullptr, 0, false, {}};
 
 [[noreturn]] void to_scheduler_forever() {
     Tls& t = g_tls;
@@ -418,10 +434,10 @@ void fiber_exit() {
         fail(fmt("returned while %d other thread(s) wait at __syncthreads (%s:%d): a barrier reached by "
                  "only some of the block's threads",
                  b.at_barrier, base_name(b.bar_file), b.bar_line));
-    const WarpSync& w = b.warps[warp];
-    if (w.arrived && (w.mask >> lane & 1))
-        fail(fmt("lane %d has returned while lanes 0x%08x of its warp wait for it at a warp exchange (%s:%d)",
-                 lane, w.arrived, base_name(w.file), w.line));
+    if (const Group* g = b.warps[warp].of_lane(lane))
+        if (g->arrived)
+            fail(fmt("lane %d has returned while lanes 0x%08x of its warp wait for it at a warp exchange (%s:%d)",
+                     lane, g->arrived, base_name(g->file), g->line));
     t.fiber->st = kDone;
     b.done++;
     to_scheduler_forever();
@@ -464,12 +480,32 @@ int find_tls(struct dl_phdr_info* info, size_t, void* data) {
     return 1;
 }
 
-void poison_shared(Tls& t) {
+// Poisons this thread's __shared__ memory: all of it, except that each dynamic array is poisoned
+// only up to 4 KiB past what the launch asked for (the rest of its 227 KiB is never meant to be
+// touched, and the check after the block looks no further).
+void poison_shared(Tls& t, size_t dyn_bytes) {
     if (!t.shared_known) {
         dl_iterate_phdr(&find_tls, &t);
         t.shared_known = true;
     }
-    if (t.shared) memset(t.shared, 0xff, t.shared_len);
+    if (!t.shared) return;
+    const size_t used = std::min(kDynSmemCap, dyn_bytes + 4096);
+    std::vector<std::pair<uint8_t*, uint8_t*>> skip;
+    for (const DynSmem& d : dyn_arrays()) {
+        uint8_t* a = static_cast<uint8_t*>(d.addr());
+        skip.emplace_back(a + used, a + kDynSmemCap);
+    }
+    std::sort(skip.begin(), skip.end());
+    uint8_t* at = t.shared;
+    uint8_t* const end = t.shared + t.shared_len;
+    for (auto [from, to] : skip) {
+        from = std::max(from, at);
+        to = std::min(to, end);
+        if (from >= to) continue;
+        memset(at, 0xff, (size_t)(from - at));
+        at = to;
+    }
+    if (at < end) memset(at, 0xff, (size_t)(end - at));
 }
 
 std::atomic<uint64_t> g_launches{0};
@@ -494,10 +530,9 @@ std::string deadlock_report(const Block& b) {
     for (int i = 0; i < b.n; ++i) {
         const Fiber& f = b.fibers[i];
         if (f.st == kAtBarrier) groups[fmt("__syncthreads (%s:%d)", base_name(b.bar_file), b.bar_line)]++;
-        if (f.st == kAtWarp) {
-            const WarpSync& w = b.warps[i / 32];
-            groups[fmt("a warp exchange with mask 0x%08x (%s:%d)", w.mask, base_name(w.file), w.line)]++;
-        }
+        if (f.st == kAtWarp)
+            if (const Group* g = b.warps[i / 32].of_lane(i % 32))
+                groups[fmt("a warp exchange with mask 0x%08x (%s:%d)", g->mask, base_name(g->file), g->line)]++;
     }
     std::string s = "deadlock:";
     for (auto& [what, count] : groups) s += fmt(" %d thread(s) wait at %s;", count, what.c_str());
@@ -508,15 +543,28 @@ std::string deadlock_report(const Block& b) {
 std::string run_block(const Launch& l, uint3 bidx, const std::vector<int>& order) {
     Tls& t = g_tls;
     const int n = (int)(l.block[0] * l.block[1] * l.block[2]);
-    if (!t.stacks) {
-        void* p = mmap(nullptr, kStackSlot * kMaxThreadsPerBlock, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (p == MAP_FAILED) return "cannot map fiber stacks";
+    // Stacks for as many threads as the largest block so far (a power of two, at least 128): each
+    // slot is one mapping plus its guard page, so mapping 1024 of them everywhere would cost
+    // thousands of the process's mappings.
+    if ((size_t)n > t.nslots) {
+        size_t want = 128;
+        while (want < (size_t)n) want *= 2;
+        if (t.stacks) munmap(t.stacks, kStackSlot * t.nslots);
+        t.stacks = nullptr;
+        t.nslots = 0;
+        void* p = mmap(nullptr, kStackSlot * want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                       -1, 0);
+        if (p == MAP_FAILED) return "the emulator cannot map fiber stacks (out of memory or mappings)";
+        for (size_t i = 0; i < want; ++i)
+            if (mprotect(static_cast<uint8_t*>(p) + i * kStackSlot, kPage, PROT_NONE) != 0) {
+                munmap(p, kStackSlot * want);
+                return "the emulator cannot protect its fiber stacks' guard pages (too many mappings)";
+            }
         t.stacks = static_cast<uint8_t*>(p);
-        for (unsigned i = 0; i < kMaxThreadsPerBlock; ++i) mprotect(t.stacks + i * kStackSlot, kPage, PROT_NONE);
-        t.fibers = new Fiber[kMaxThreadsPerBlock];
+        t.nslots = want;
+        if (!t.fibers) t.fibers = new Fiber[kMaxThreadsPerBlock];
     }
-    poison_shared(t);
+    poison_shared(t, l.dyn_smem);
     std::vector<void*> params(l.offsets.size());
     for (size_t i = 0; i < params.size(); ++i)
         params[i] = const_cast<unsigned char*>(l.args.data() + l.offsets[i]);
@@ -572,7 +620,7 @@ std::string run_block(const Launch& l, uint3 bidx, const std::vector<int>& order
 }
 
 // Faults in the device range (or a fiber's stack guard) during a kernel end that kernel's block.
-struct sigaction g_old_segv, g_old_bus, g_old_ill;
+struct sigaction g_old_segv, g_old_bus, g_old_ill, g_old_fpe;
 
 [[noreturn]] void fault_exit() { fail(g_tls.fault); }
 
@@ -583,18 +631,26 @@ void on_fault(int sig, siginfo_t* si, void* uctx) {
     if (t.block && t.fiber && !t.block->failed) {
         const bool write = (uc->uc_mcontext.gregs[REG_ERR] & 2) != 0;
         const uint64_t stacks = (uint64_t)(uintptr_t)t.stacks;
+        const uint8_t* rip = reinterpret_cast<const uint8_t*>(uc->uc_mcontext.gregs[REG_RIP]);
         std::string what;
-        if (sig == SIGILL) {
-            // The kernels are built with -fsanitize=alignment trapping: a misaligned access.
+        if (sig == SIGILL && rip[0] == 0x0f && rip[1] == 0x0b) {
+            // ud2: the kernels are built with -fsanitize=alignment trapping.
             what = "misaligned address: a load or store not aligned to the size of its type";
+        } else if (sig == SIGILL) {
+            what = "illegal instruction (a CPU feature this machine lacks?)";
+        } else if (sig == SIGFPE) {
+            what = "integer division by zero (or INT_MIN / -1): a GPU returns garbage, the emulator stops";
         } else if (in_arena(a)) {
             Memory& m = memory();
             std::lock_guard<std::mutex> g(m.mu);
             what = fmt("illegal %s: ", write ? "write" : "read") + range_problem(m, a, 1);
-        } else if (a >= stacks && a < stacks + kStackSlot * kMaxThreadsPerBlock) {
+        } else if (a >= stacks && a < stacks + kStackSlot * t.nslots) {
             what = fmt("a thread overflowed its %zu KiB stack", kStack / 1024);
+        } else {
+            what = fmt("illegal %s of 0x%llx: not device memory (a null or host pointer?)", write ? "write" : "read",
+                       (unsigned long long)a);
         }
-        if (!what.empty()) {
+        {
             snprintf(t.fault, sizeof t.fault, "%s", what.c_str());
             // Resume at fault_exit on the top of this fiber's own stack.
             const size_t slot = (size_t)(t.fiber - t.fibers) + 1;
@@ -608,7 +664,7 @@ void on_fault(int sig, siginfo_t* si, void* uctx) {
         static const char msg[] = "kvgate cuda emulation: host code touched emulated device memory\n";
         (void)!write(2, msg, sizeof msg - 1);
     }
-    struct sigaction& old = sig == SIGBUS ? g_old_bus : sig == SIGILL ? g_old_ill : g_old_segv;
+    struct sigaction& old = sig == SIGBUS ? g_old_bus : sig == SIGILL ? g_old_ill : sig == SIGFPE ? g_old_fpe : g_old_segv;
     if (old.sa_flags & SA_SIGINFO) {
         old.sa_sigaction(sig, si, uctx);
     } else if (old.sa_handler == SIG_IGN || old.sa_handler == SIG_DFL) {
@@ -624,11 +680,13 @@ void install_fault_handler() {
         struct sigaction sa;
         memset(&sa, 0, sizeof sa);
         sa.sa_sigaction = &on_fault;
-        sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+        // On the worker's alternate stack: a fiber that overflowed its own has no room left.
+        sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
         sigemptyset(&sa.sa_mask);
         sigaction(SIGSEGV, &sa, &g_old_segv);
         sigaction(SIGBUS, &sa, &g_old_bus);
         sigaction(SIGILL, &sa, &g_old_ill);
+        sigaction(SIGFPE, &sa, &g_old_fpe);
     });
 }
 
@@ -641,7 +699,7 @@ class Pool {
         unsigned n = std::thread::hardware_concurrency();
         if (const char* v = getenv("KVGATE_EMU_THREADS")) n = (unsigned)strtoul(v, nullptr, 10);
         n = std::max(1u, std::min(n, 64u));
-        for (unsigned i = 1; i < n; ++i) threads_.emplace_back([this] { loop(); });
+        for (unsigned i = 0; i < n; ++i) threads_.emplace_back([this] { loop(); });
     }
 
     void run(size_t n, const std::function<void(size_t)>& fn) {
@@ -652,9 +710,6 @@ class Pool {
         active_ = (int)threads_.size();
         ++gen_;
         cv_.notify_all();
-        g.unlock();
-        work();
-        g.lock();
         done_cv_.wait(g, [this] { return active_ == 0; });
         job_ = nullptr;
     }
@@ -663,7 +718,15 @@ class Pool {
     void work() {
         for (size_t i; (i = next_.fetch_add(1)) < total_;) (*job_)(i);
     }
+    // Only the pool's threads run blocks, so only they hold fiber stacks, each with an alternate
+    // signal stack for the fault handler.
     void loop() {
+        static constexpr size_t kAltStack = 64 * 1024;
+        stack_t alt;
+        alt.ss_sp = mmap(nullptr, kAltStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        alt.ss_size = kAltStack;
+        alt.ss_flags = 0;
+        if (alt.ss_sp != MAP_FAILED) sigaltstack(&alt, nullptr);
         uint64_t seen = 0;
         for (;;) {
             std::unique_lock<std::mutex> g(mu_);
@@ -745,31 +808,45 @@ uint32_t warp_exchange(int kind, uint32_t mask, uint32_t value, int arg, int wid
     if (width <= 0 || width > 32 || (width & (width - 1)))
         fail(fmt("%s (%s:%d) with width %d (not a power of two up to 32)", name, base_name(file), line, width));
     WarpSync& w = b.warps[warp];
-    if (w.arrived == 0) {
-        w.mask = mask;
-        w.kind = kind;
-        w.file = file;
-        w.line = line;
-    } else if (mask != w.mask || kind != w.kind || line != w.line || strcmp(file, w.file) != 0) {
-        fail(fmt("%s (%s:%d) with mask 0x%08x while lanes 0x%08x of its warp wait at %s (%s:%d) with mask 0x%08x",
-                 name, base_name(file), line, mask, w.arrived, names[w.kind], base_name(w.file), w.line, w.mask));
+    Group* g = nullptr;
+    for (int i = 0; i < w.n; ++i) {
+        Group& x = w.groups[i];
+        if (x.mask == mask) {
+            g = &x;
+        } else if (x.mask & mask) {
+            fail(fmt("%s (%s:%d) with mask 0x%08x while lanes 0x%08x of its warp wait at %s (%s:%d) with mask "
+                     "0x%08x",
+                     name, base_name(file), line, mask, x.arrived, names[x.kind], base_name(x.file), x.line, x.mask));
+        }
+    }
+    if (!g) {
+        g = &w.groups[w.n++];
+        *g = Group{};
+        g->mask = mask;
+        g->kind = kind;
+        g->file = file;
+        g->line = line;
+    } else if (kind != g->kind || line != g->line || strcmp(file, g->file) != 0) {
+        fail(fmt("%s (%s:%d) while lanes 0x%08x of its warp wait at %s (%s:%d) with the same mask 0x%08x", name,
+                 base_name(file), line, g->arrived, names[g->kind], base_name(g->file), g->line, mask));
     }
     for (int l = 0; l < lanes; ++l)
         if ((mask >> l & 1) && b.fibers[warp * 32 + l].st == kDone)
             fail(fmt("%s (%s:%d) with mask 0x%08x, but lane %d has returned", name, base_name(file), line, mask, l));
+    // Source lanes as the hardware computes them within each width-wide segment.
     const int seg = lane & ~(width - 1);
     int src = lane;
     switch (kind) {
         case 0: src = seg + (arg & (width - 1)); break;
         case 1: src = lane - arg >= seg ? lane - arg : lane; break;
         case 2: src = lane + arg < seg + width ? lane + arg : lane; break;
-        case 3: src = (lane ^ arg) < seg + width && (lane ^ arg) >= seg ? lane ^ arg : lane; break;
+        case 3: src = (lane ^ arg) < seg + width ? lane ^ arg : lane; break;
         default: break;
     }
-    w.val[lane] = value;
-    w.src[lane] = src;
-    w.arrived |= 1u << lane;
-    if (w.arrived != mask) {
+    g->val[lane] = value;
+    g->src[lane] = src;
+    g->arrived |= 1u << lane;
+    if (g->arrived != mask) {
         t.fiber->st = kAtWarp;
         yield();
         return w.out[lane];
@@ -777,22 +854,22 @@ uint32_t warp_exchange(int kind, uint32_t mask, uint32_t value, int arg, int wid
     // The last lane in: exchange, wake the others, go on.
     uint32_t ballot = 0;
     for (int l = 0; l < 32; ++l)
-        if ((mask >> l & 1) && w.val[l]) ballot |= 1u << l;
+        if ((mask >> l & 1) && g->val[l]) ballot |= 1u << l;
     for (int l = 0; l < 32; ++l) {
         if (!(mask >> l & 1)) continue;
-        if (kind <= 3 && !(mask >> w.src[l] & 1))
+        if (kind <= 3 && !(mask >> g->src[l] & 1))
             fail(fmt("%s (%s:%d): lane %d reads lane %d, which mask 0x%08x leaves out", name, base_name(file), line,
-                     l, w.src[l], mask));
+                     l, g->src[l], mask));
         switch (kind) {
             case 5: w.out[l] = ballot; break;
             case 6: w.out[l] = ballot != 0; break;
             case 7: w.out[l] = ballot == mask; break;
             case 4: w.out[l] = 0; break;
-            default: w.out[l] = w.val[w.src[l]]; break;
+            default: w.out[l] = g->val[g->src[l]]; break;
         }
         if (warp * 32 + l != t.linear) b.fibers[warp * 32 + l].st = kReady;
     }
-    w.arrived = 0;
+    *g = w.groups[--w.n];
     return w.out[lane];
 }
 
@@ -813,7 +890,7 @@ Launch make_launch(const KernelInfo* k, const unsigned grid[3], const unsigned b
     l.dyn_smem = dyn;
     size_t off = 0;
     for (int i = 0; i < k->nargs; ++i) {
-        off = round_up(off, 8);
+        off = round_up(off, std::max<size_t>(8, k->arg_aligns[i]));
         l.offsets.push_back(off);
         off += k->arg_sizes[i];
     }

@@ -48,12 +48,14 @@ struct KernelInfo {
     void (*invoke)(void (*)(), void**);
     int nargs;
     const uint16_t* arg_sizes;
+    const uint16_t* arg_aligns;
     uint64_t pointer_args;  // bit i: argument i is a pointer
 };
 
 template <typename... A>
 struct Signature {
     static constexpr uint16_t sizes[sizeof...(A) + 1] = {(uint16_t)sizeof(A)..., 0};
+    static constexpr uint16_t aligns[sizeof...(A) + 1] = {(uint16_t)alignof(A)..., 0};
     template <size_t... I>
     static void call(void (*f)(A...), void** p, std::index_sequence<I...>) {
         f(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(p[I])...);
@@ -75,6 +77,7 @@ KernelInfo kernel(const char* name, int launch_bounds, void (*f)(A...)) {
                       &Signature<A...>::invoke,
                       (int)sizeof...(A),
                       Signature<A...>::sizes,
+                      Signature<A...>::aligns,
                       Signature<A...>::pointers(std::index_sequence_for<A...>{})};
 }
 

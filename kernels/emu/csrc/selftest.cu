@@ -125,3 +125,15 @@ extern "C" __global__ void __launch_bounds__(1024) selftest_misaligned(const flo
     const float4 v = *reinterpret_cast<const float4*>(x + 1);
     out[threadIdx.x] = v.x;
 }
+
+// Correct: the two half-warps exchange independently, each with its own mask.
+extern "C" __global__ void __launch_bounds__(1024) selftest_half_warps(float* out) {
+    const int lane = threadIdx.x % 32;
+    const unsigned mask = lane < 16 ? 0x0000ffffu : 0xffff0000u;
+    out[threadIdx.x] = __shfl_xor_sync(mask, (float)threadIdx.x, 1);
+}
+
+// Wrong: an integer division by zero (garbage on a GPU; the emulator stops the launch).
+extern "C" __global__ void __launch_bounds__(1024) selftest_div_zero(const int* x, int* out) {
+    out[threadIdx.x] = 7 / x[threadIdx.x];
+}

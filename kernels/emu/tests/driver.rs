@@ -281,8 +281,11 @@ fn emulated_driver_orders_streams_refuses_bad_launches_and_sticks_on_faults() {
     assert!(d.error_string(ILLEGAL_ADDRESS).contains("a host address"));
     assert_eq!(d.sync(s), SUCCESS);
 
-    // A copy past an allocation's end is refused when it is queued.
+    // A copy past an allocation's end is refused when it is queued, and so is a host-to-device
+    // copy whose destination is host memory (swapped arguments).
     assert_eq!(d.htod_async(out, &ones, s), INVALID_VALUE);
+    assert_eq!(d.htod_async(host as u64, &ones[..1], s), INVALID_VALUE);
+    assert!(d.error_string(INVALID_VALUE).contains("swapped arguments"));
 
     // cuBLAS: argument checks at the call, extents when it runs.
     let create = sym!(

@@ -470,3 +470,36 @@ fn emulated_misaligned_vector_access_fails() {
         &["misaligned address"],
     );
 }
+
+#[test]
+fn emulated_half_warps_exchange_independently() {
+    let h = harness();
+    let op = h.alloc(4 * 64).unwrap();
+    h.run("selftest_half_warps", Shape::linear(1, 64), &[Arg::Ptr(op)])
+        .unwrap();
+    let want: Vec<f32> = (0..64).map(|i| (i ^ 1) as f32).collect();
+    assert_eq!(h.download::<f32>(op, 64), want);
+}
+
+#[test]
+fn emulated_null_pointers_and_division_by_zero_fail_the_launch() {
+    let h = harness();
+    let op = h.alloc(4 * 32).unwrap();
+    expect_failure(
+        &h,
+        "selftest_oob_read",
+        Shape::linear(1, 32),
+        &[Arg::Ptr(0), Arg::Ptr(op)],
+        ILLEGAL_ADDRESS,
+        &["not device memory"],
+    );
+    let zeros = h.upload(&[0i32; 32]);
+    expect_failure(
+        &h,
+        "selftest_div_zero",
+        Shape::linear(1, 32),
+        &[Arg::Ptr(zeros), Arg::Ptr(op)],
+        LAUNCH_FAILED,
+        &["division by zero"],
+    );
+}
