@@ -9,12 +9,15 @@
 //! nothing). Prints `skipped: <reason>` without a device.
 
 #[allow(dead_code)]
+#[path = "../tests/common/runner.rs"]
+mod runner;
+#[allow(dead_code)]
 #[path = "../tests/common/tiny.rs"]
 mod tiny;
 
-use kvgate_engine::kv::{test_manager, SeqId};
-use kvgate_engine::model::{Batch, Llama, LoadOptions};
-use kvgate_kernels::{AttnSeq, Backend, Cuda, DType};
+use kvgate_engine::kv::SeqId;
+use kvgate_kernels::{Backend, Cuda, DType};
+use runner::Runner;
 use std::time::Instant;
 use tiny::{write_tiny_llama, TinySpec};
 
@@ -71,94 +74,30 @@ fn decode_rate<B: Backend>(
     steps: usize,
 ) -> f64 {
     let per_seq = (PROMPT + steps).div_ceil(BS as usize) + 1;
-    let blocks = (batch * per_seq) as u32;
-    let mut model = Llama::load(
-        backend,
-        dir,
-        LoadOptions {
-            dtype,
-            kv_dtype: dtype,
-            num_blocks: blocks as usize,
-            num_host_blocks: 0,
-            block_size: BS as usize,
-        },
-    )
-    .expect("model loads");
-    let mut kv = test_manager(blocks, 0, BS);
-    let scope = kv.scope("bench");
-    // Prompts differ per sequence (no shared prefix), prefilled one sequence at a time.
+    let mut r = Runner::new(backend, dir, dtype, dtype, (batch * per_seq) as u32, BS);
+    // Prompts differ per sequence (no shared prefix), prefilled one sequence at a time, logits of
+    // the last row only.
     for s in 0..batch {
         let prompt: Vec<u32> = (0..PROMPT as u32)
             .map(|i| (i * 131 + s as u32 * 7919) % 49152)
             .collect();
-        let hashed = kv.hash_prompt(scope, &prompt);
-        kv.start_sequence(SeqId(s as u64), &hashed).expect("start");
-        kv.append_slots(SeqId(s as u64), &prompt).expect("slots");
-        let table: Vec<u32> = kv
-            .block_table(SeqId(s as u64))
-            .unwrap()
-            .blocks()
-            .iter()
-            .map(|b| b.0)
-            .collect();
-        let positions: Vec<u32> = (0..PROMPT as u32).collect();
-        let slots: Vec<u32> = positions
-            .iter()
-            .map(|&p| table[p as usize / BS as usize] * BS + p % BS)
-            .collect();
-        model.forward(&Batch {
-            tokens: &prompt,
-            positions: &positions,
-            slots: &slots,
-            seqs: &[AttnSeq {
-                query_start: 0,
-                query_len: PROMPT,
-                context_len: PROMPT,
-                block_table: &table,
-            }],
-            logits_rows: &[PROMPT as u32 - 1],
-        });
+        let scope = r.kv.scope("bench");
+        let hashed = r.kv.hash_prompt(scope, &prompt);
+        r.kv.start_sequence(SeqId(s as u64), &hashed)
+            .expect("start");
+        r.kv.append_slots(SeqId(s as u64), &prompt).expect("slots");
+        r.run_rows(SeqId(s as u64), &prompt, 0, &[PROMPT as u32 - 1]);
     }
     let start = Instant::now();
     for step in 0..steps {
-        let pos = PROMPT + step;
-        let tokens: Vec<u32> = (0..batch as u32)
-            .map(|s| (s * 17 + step as u32 * 3) % 49152)
-            .collect();
-        let mut tables = Vec::with_capacity(batch);
-        let mut slots = Vec::with_capacity(batch);
-        for (s, &t) in tokens.iter().enumerate() {
-            kv.append_slots(SeqId(s as u64), &[t]).expect("slot");
-            let table: Vec<u32> = kv
-                .block_table(SeqId(s as u64))
-                .unwrap()
-                .blocks()
-                .iter()
-                .map(|b| b.0)
-                .collect();
-            slots.push(table[pos / BS as usize] * BS + (pos as u32) % BS);
-            tables.push(table);
-        }
-        let seqs: Vec<AttnSeq<'_>> = tables
-            .iter()
-            .enumerate()
-            .map(|(i, t)| AttnSeq {
-                query_start: i,
-                query_len: 1,
-                context_len: pos + 1,
-                block_table: t,
+        let batch_step: Vec<(SeqId, u32, usize)> = (0..batch)
+            .map(|s| {
+                let token = (s as u32 * 17 + step as u32 * 3) % 49152;
+                (SeqId(s as u64), token, PROMPT + step)
             })
             .collect();
-        let positions = vec![pos as u32; batch];
-        let rows: Vec<u32> = (0..batch as u32).collect();
-        let logits = model.forward(&Batch {
-            tokens: &tokens,
-            positions: &positions,
-            slots: &slots,
-            seqs: &seqs,
-            logits_rows: &rows,
-        });
-        assert_eq!(logits.len(), batch * 49152);
+        let logits = r.decode_batch(&batch_step);
+        assert_eq!(logits.len(), batch);
     }
     (batch * steps) as f64 / start.elapsed().as_secs_f64()
 }

@@ -52,15 +52,10 @@ fn generate<B: Backend>(
 
 #[test]
 fn smollm2_greedy_tokens_match_cpu_on_golden_prompts() {
+    if kvgate_kernels::cuda::test_device().is_none() {
+        return;
+    }
     let required = std::env::var_os("KVGATE_REQUIRE_CUDA").is_some();
-    let gpu = match Cuda::new(0) {
-        Ok(g) => g,
-        Err(e) if required => panic!("KVGATE_REQUIRE_CUDA is set and there is no CUDA device: {e}"),
-        Err(e) => {
-            println!("skipped: {e}");
-            return;
-        }
-    };
     // scripts/gpu-check may run a binary built elsewhere: it names the model folder.
     let dir = match std::env::var_os("KVGATE_SMOLLM2_DIR") {
         Some(d) => std::path::PathBuf::from(d),
@@ -87,7 +82,6 @@ fn smollm2_greedy_tokens_match_cpu_on_golden_prompts() {
             &common::GOLDEN_FOX_ANSWER,
         ),
     ];
-    println!("GPU: {} ({})", gpu.device_name(), gpu.arch());
     for (name, prompt, golden) in &cases {
         let n = golden.len();
         let (cpu_tokens, cpu_tps) = generate(Cpu::new(), &dir, DType::F32, prompt, n);

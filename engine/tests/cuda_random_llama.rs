@@ -21,7 +21,8 @@ use common::runner::Runner;
 use common::tiny::{write_tiny_llama, TinySpec};
 use kvgate_engine::kv::SeqId;
 use kvgate_engine::model::{GenerateOptions, Generator, Llama, LoadOptions};
-use kvgate_kernels::{Backend, Cpu, Cuda, DType};
+use kvgate_kernels::cuda::test_device;
+use kvgate_kernels::{Backend, Cpu, DType};
 use kvgate_protocol::prompt::{ChatMessage, PromptRenderer};
 use std::path::{Path, PathBuf};
 
@@ -36,22 +37,6 @@ const SPEC: TinySpec = TinySpec {
     tie: true,
 };
 const BS: u32 = 16;
-
-fn cuda() -> Option<Cuda> {
-    match Cuda::new(0) {
-        Ok(c) => {
-            println!("on {} ({})", c.device_name(), c.arch());
-            Some(c)
-        }
-        Err(e) if std::env::var_os("KVGATE_REQUIRE_CUDA").is_some() => {
-            panic!("KVGATE_REQUIRE_CUDA is set and there is no CUDA device: {e}")
-        }
-        Err(e) => {
-            println!("skipped: {e}");
-            None
-        }
-    }
-}
 
 /// A folder holding SmolLM2's tokenizer files, if any is at hand.
 fn tokenizer_dir() -> Option<PathBuf> {
@@ -137,12 +122,16 @@ fn scenario<B: Backend>(r: &mut Runner<B>) -> Vec<Vec<f32>> {
     rows
 }
 
-#[test]
-fn random_llama_logits_match_cpu_in_f32() {
-    let Some(gpu) = cuda() else { return };
+/// Logit rows of the scenario, one per computed position.
+type Rows = Vec<Vec<f32>>;
+
+/// The scenario's logit rows on the GPU and on the CPU (weights in `dtype`, KV in `kv_dtype`),
+/// and the worst relative error between them; None without a device.
+fn compare(dtype: DType, kv_dtype: DType) -> Option<(Rows, Rows, f32)> {
+    let gpu = test_device()?;
     let (dir, _) = model_dir();
-    let mut g = Runner::new(gpu, dir.path(), DType::F32, DType::F32, 64, BS);
-    let mut c = Runner::new(Cpu::new(), dir.path(), DType::F32, DType::F32, 64, BS);
+    let mut g = Runner::new(gpu, dir.path(), dtype, kv_dtype, 64, BS);
+    let mut c = Runner::new(Cpu::new(), dir.path(), dtype, kv_dtype, 64, BS);
     let (gr, cr) = (scenario(&mut g), scenario(&mut c));
     assert_eq!(gr.len(), cr.len());
     let worst = gr
@@ -150,6 +139,14 @@ fn random_llama_logits_match_cpu_in_f32() {
         .zip(&cr)
         .map(|(a, b)| rel_err(a, b))
         .fold(0f32, f32::max);
+    Some((gr, cr, worst))
+}
+
+#[test]
+fn random_llama_logits_match_cpu_in_f32() {
+    let Some((gr, cr, worst)) = compare(DType::F32, DType::F32) else {
+        return;
+    };
     println!(
         "f32: {} rows of {} logits, worst relative error {worst:.2e}",
         gr.len(),
@@ -166,16 +163,9 @@ fn random_llama_logits_match_cpu_in_f32() {
 
 #[test]
 fn random_llama_logits_match_cpu_in_bf16_with_f16_kv() {
-    let Some(gpu) = cuda() else { return };
-    let (dir, _) = model_dir();
-    let mut g = Runner::new(gpu, dir.path(), DType::BF16, DType::F16, 64, BS);
-    let mut c = Runner::new(Cpu::new(), dir.path(), DType::BF16, DType::F16, 64, BS);
-    let (gr, cr) = (scenario(&mut g), scenario(&mut c));
-    let worst = gr
-        .iter()
-        .zip(&cr)
-        .map(|(a, b)| rel_err(a, b))
-        .fold(0f32, f32::max);
+    let Some((gr, cr, worst)) = compare(DType::BF16, DType::F16) else {
+        return;
+    };
     let same = gr
         .iter()
         .zip(&cr)
@@ -195,7 +185,7 @@ fn random_llama_logits_match_cpu_in_bf16_with_f16_kv() {
 
 #[test]
 fn random_llama_with_smollm2_tokenizer_generates_the_same_tokens() {
-    let Some(gpu) = cuda() else { return };
+    let Some(gpu) = test_device() else { return };
     let (dir, with_tokenizer) = model_dir();
     if !with_tokenizer {
         assert!(

@@ -142,6 +142,7 @@ fn main() {
     build
         .flag("-march=native") // the stand-in cuBLAS's GEMMs
         .file(csrc.join("runtime.cpp"))
+        .file(csrc.join("memory.cpp"))
         .file(csrc.join("driver.cpp"))
         .file(csrc.join("cublas.cpp"));
     let mut objects = build.compile_intermediates();

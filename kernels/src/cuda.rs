@@ -202,6 +202,25 @@ impl Cuda {
     }
 }
 
+/// The device the CUDA test suites run on: device 0 (a GPU, or the emulated H200 of
+/// `kernels/emu`), its name printed; or `None` with the reason printed ("skipped: ..."). With
+/// `KVGATE_REQUIRE_CUDA` set, a missing device panics instead, so that CI cannot skip silently.
+pub fn test_device() -> Option<Cuda> {
+    match Cuda::new(0) {
+        Ok(c) => {
+            println!("on {} ({})", c.device_name(), c.arch());
+            Some(c)
+        }
+        Err(e) if std::env::var_os("KVGATE_REQUIRE_CUDA").is_some() => {
+            panic!("KVGATE_REQUIRE_CUDA is set and there is no CUDA device: {e}")
+        }
+        Err(e) => {
+            println!("skipped: {e}");
+            None
+        }
+    }
+}
+
 /// Checks that the driver, NVRTC and cuBLAS libraries can be loaded (cudarc panics on the first
 /// call into a missing one).
 fn check_libraries() -> Result<(), CudaError> {

@@ -27,20 +27,12 @@ use rand::seq::SliceRandom;
 
 /// The shared GPU backend, or why there is none (printed as the skip reason).
 fn gpu() -> Option<&'static Cuda> {
-    static GPU: OnceLock<Result<Cuda, String>> = OnceLock::new();
-    match GPU.get_or_init(|| Cuda::new(0).map_err(|e| e.to_string())) {
-        Ok(c) => {
-            println!("on {}", c.device_name());
-            Some(c)
-        }
-        Err(e) if std::env::var_os("KVGATE_REQUIRE_CUDA").is_some() => {
-            panic!("KVGATE_REQUIRE_CUDA is set and there is no CUDA device: {e}")
-        }
-        Err(e) => {
-            println!("skipped: {e}");
-            None
-        }
+    static GPU: OnceLock<Option<Cuda>> = OnceLock::new();
+    let gpu = GPU.get_or_init(kvgate_kernels::cuda::test_device).as_ref();
+    if gpu.is_none() {
+        println!("skipped: no CUDA device (the first test says why)");
     }
+    gpu
 }
 
 fn f64s(v: &[f32]) -> Vec<f64> {

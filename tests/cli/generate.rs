@@ -88,12 +88,7 @@ fn golden_outputs_in_f32_and_f16() {
 #[cfg(feature = "cuda")]
 #[test]
 fn golden_output_on_device_cuda() {
-    if let Err(e) = kvgate_kernels::Cuda::new(0) {
-        assert!(
-            std::env::var_os("KVGATE_REQUIRE_CUDA").is_none(),
-            "KVGATE_REQUIRE_CUDA is set and there is no CUDA device: {e}"
-        );
-        eprintln!("skipped: {e}");
+    if kvgate_kernels::cuda::test_device().is_none() {
         return;
     }
     let args = [
@@ -136,12 +131,7 @@ fn bad_model_paths_and_devices_are_one_line_errors() {
             .args(args)
             .output()
             .expect("kvgate runs");
-        // The emulated driver (kernels/emu) announces itself on stderr; the rest is the error.
-        let stderr: String = String::from_utf8_lossy(&out.stderr)
-            .lines()
-            .filter(|l| !l.starts_with("kvgate cuda emulation:"))
-            .map(|l| format!("{l}\n"))
-            .collect();
+        let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
         assert!(
             stderr.starts_with("error: ") && !stderr.contains("panicked"),

@@ -47,6 +47,18 @@ impl<B: Backend> Runner<B> {
 
     /// Runs `chunk` (positions `start..`) of `seq`, whose slots are allocated; logits of every row.
     pub fn run(&mut self, seq: SeqId, chunk: &[u32], start: usize) -> Vec<Vec<f32>> {
+        let rows: Vec<u32> = (0..chunk.len() as u32).collect();
+        self.run_rows(seq, chunk, start, &rows)
+    }
+
+    /// As [`Runner::run`], with the logits of `rows` (of the chunk) only.
+    pub fn run_rows(
+        &mut self,
+        seq: SeqId,
+        chunk: &[u32],
+        start: usize,
+        rows: &[u32],
+    ) -> Vec<Vec<f32>> {
         let bs = self.block_size as usize;
         let table = self.kv.block_table(seq).unwrap();
         let blocks: Vec<u32> = table.blocks().iter().map(|b| b.0).collect();
@@ -61,13 +73,12 @@ impl<B: Backend> Runner<B> {
             context_len: start + chunk.len(),
             block_table: &blocks,
         }];
-        let rows: Vec<u32> = (0..chunk.len() as u32).collect();
         let flat = self.model.forward(&Batch {
             tokens: chunk,
             positions: &positions,
             slots: &slots,
             seqs: &seqs,
-            logits_rows: &rows,
+            logits_rows: rows,
         });
         flat.chunks(self.vocab).map(<[f32]>::to_vec).collect()
     }
@@ -91,10 +102,45 @@ impl<B: Backend> Runner<B> {
 
     /// Appends `token` at `pos` (copying a shared block first) and returns its logits.
     pub fn decode(&mut self, seq: SeqId, token: u32, pos: usize) -> Vec<f32> {
-        let out = self.kv.append_slots(seq, &[token]).unwrap();
-        if let Some((src, dst)) = out.cow {
-            self.model.copy_blocks(&[(src.0, dst.0)]);
+        self.decode_batch(&[(seq, token, pos)]).remove(0)
+    }
+
+    /// One decode step of several sequences in one batch, `(seq, token, position)` each (copying
+    /// shared blocks first); their logits, in order.
+    pub fn decode_batch(&mut self, steps: &[(SeqId, u32, usize)]) -> Vec<Vec<f32>> {
+        let bs = self.block_size as usize;
+        let mut tables = Vec::with_capacity(steps.len());
+        let mut slots = Vec::with_capacity(steps.len());
+        for &(seq, token, pos) in steps {
+            let out = self.kv.append_slots(seq, &[token]).unwrap();
+            if let Some((src, dst)) = out.cow {
+                self.model.copy_blocks(&[(src.0, dst.0)]);
+            }
+            let table = self.kv.block_table(seq).unwrap();
+            slots.push(table.slot(pos, bs) as u32);
+            tables.push(table.blocks().iter().map(|b| b.0).collect::<Vec<u32>>());
         }
-        self.run(seq, &[token], pos).remove(0)
+        let seqs: Vec<AttnSeq<'_>> = tables
+            .iter()
+            .zip(steps)
+            .enumerate()
+            .map(|(i, (t, &(_, _, pos)))| AttnSeq {
+                query_start: i,
+                query_len: 1,
+                context_len: pos + 1,
+                block_table: t,
+            })
+            .collect();
+        let tokens: Vec<u32> = steps.iter().map(|s| s.1).collect();
+        let positions: Vec<u32> = steps.iter().map(|s| s.2 as u32).collect();
+        let rows: Vec<u32> = (0..steps.len() as u32).collect();
+        let flat = self.model.forward(&Batch {
+            tokens: &tokens,
+            positions: &positions,
+            slots: &slots,
+            seqs: &seqs,
+            logits_rows: &rows,
+        });
+        flat.chunks(self.vocab).map(<[f32]>::to_vec).collect()
     }
 }

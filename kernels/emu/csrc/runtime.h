@@ -40,6 +40,9 @@ constexpr size_t kDefaultSharedPerBlock = 48 * 1024;
 constexpr size_t kMaxSharedPerBlockOptin = 232448;  // 227 KiB
 constexpr int kRegistersPerSm = 65536;
 constexpr size_t kDynSmemCap = kMaxSharedPerBlockOptin;
+constexpr size_t kPage = 4096;
+
+inline size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
 struct KernelInfo {
     const char* name;
@@ -107,6 +110,15 @@ MemKind classify(uint64_t p);
 // Whether [p, p + bytes) lies inside one live device or pinned allocation; else why not.
 bool range_ok(uint64_t p, size_t bytes, std::string* why);
 void mem_info(size_t* free_bytes, size_t* total_bytes);
+// For the fault handler and the launch checks: whether `a` is in the device range, why an
+// address there is not a live allocation's byte, and whether the allocation holding `p` (if any)
+// still has its canaries (else why not).
+bool in_device_range(uint64_t a);
+std::string describe_address(uint64_t a);
+bool allocation_intact(uint64_t p, std::string* why);
+
+// printf into a std::string (messages of at most 1 KiB).
+std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
 
 // One launch, arguments copied.
 struct Launch {

@@ -288,82 +288,71 @@ fn emulated_out_of_bounds_accesses_fail_the_launch() {
     let h = harness();
     let x = vec![1.0f32; 128];
     let (xp, op) = (h.upload(&x), h.alloc(4 * 128).unwrap());
-    let args = [Arg::Ptr(xp), Arg::Ptr(op)];
-    expect_failure(
-        &h,
-        "selftest_oob_read",
-        Shape::linear(1, 128),
-        &args,
-        ILLEGAL_ADDRESS,
-        &[
-            "illegal read",
-            "offset 512 of allocation",
-            "which has 512 bytes",
-            "past the end",
-            "thread (127,0,0)",
-        ],
-    );
-    expect_failure(
-        &h,
-        "selftest_oob_write",
-        Shape::linear(1, 128),
-        &args,
-        ILLEGAL_ADDRESS,
-        &[
-            "illegal write",
-            "offset 512 of allocation",
-            "past the end",
-            "thread (127,0,0)",
-        ],
-    );
-    expect_failure(
-        &h,
-        "selftest_underflow",
-        Shape::linear(1, 128),
-        &args,
-        ILLEGAL_ADDRESS,
-        &["before the start of allocation"],
-    );
-
     // An allocation that does not fill its last 16 bytes: the slack is checked after the launch.
     let odd = h.upload(&[1.0f32; 127]);
-    expect_failure(
-        &h,
-        "selftest_oob_write",
-        Shape::linear(1, 127),
-        &[Arg::Ptr(xp), Arg::Ptr(odd)],
-        ILLEGAL_ADDRESS,
-        &["past the end of allocation"],
-    );
-
-    // Freed memory and host memory.
     let gone = h.upload(&x);
     h.free(gone);
-    expect_failure(
-        &h,
-        "selftest_oob_read",
-        Shape::linear(1, 64),
-        &[Arg::Ptr(gone), Arg::Ptr(op)],
-        ILLEGAL_ADDRESS,
-        &["freed"],
-    );
     let host = x.as_ptr() as u64;
-    expect_failure(
-        &h,
-        "selftest_oob_read",
-        Shape::linear(1, 64),
-        &[Arg::Ptr(host), Arg::Ptr(op)],
-        ILLEGAL_ADDRESS,
-        &["host address"],
-    );
-
+    // (kernel, threads, source, destination, what the message says)
+    let cases: [(&str, u32, u64, u64, &[&str]); 7] = [
+        (
+            "selftest_oob_read",
+            128,
+            xp,
+            op,
+            &[
+                "illegal read",
+                "offset 512 of allocation",
+                "which has 512 bytes",
+                "past the end",
+                "thread (127,0,0)",
+            ],
+        ),
+        (
+            "selftest_oob_write",
+            128,
+            xp,
+            op,
+            &[
+                "illegal write",
+                "offset 512 of allocation",
+                "past the end",
+                "thread (127,0,0)",
+            ],
+        ),
+        (
+            "selftest_underflow",
+            128,
+            xp,
+            op,
+            &["before the start of allocation"],
+        ),
+        (
+            "selftest_oob_write",
+            127,
+            xp,
+            odd,
+            &["past the end of allocation"],
+        ),
+        ("selftest_oob_read", 64, gone, op, &["freed"]),
+        ("selftest_oob_read", 64, host, op, &["host address"]),
+        ("selftest_oob_read", 32, 0, op, &["not device memory"]),
+    ];
+    for (kernel, threads, src, dst, words) in cases {
+        let args = [Arg::Ptr(src), Arg::Ptr(dst)];
+        expect_failure(
+            &h,
+            kernel,
+            Shape::linear(1, threads),
+            &args,
+            ILLEGAL_ADDRESS,
+            words,
+        );
+    }
     // The harness keeps working after a fault.
-    h.run(
-        "selftest_block_sum",
-        Shape::linear(1, 128),
-        &[Arg::Ptr(xp), Arg::Ptr(op)],
-    )
-    .unwrap();
+    let args = [Arg::Ptr(xp), Arg::Ptr(op)];
+    h.run("selftest_block_sum", Shape::linear(1, 128), &args)
+        .unwrap();
     assert_eq!(h.download::<f32>(op, 1)[0], 128.0);
 }
 
@@ -482,23 +471,15 @@ fn emulated_half_warps_exchange_independently() {
 }
 
 #[test]
-fn emulated_null_pointers_and_division_by_zero_fail_the_launch() {
+fn emulated_division_by_zero_fails_the_launch() {
     let h = harness();
-    let op = h.alloc(4 * 32).unwrap();
-    expect_failure(
-        &h,
-        "selftest_oob_read",
-        Shape::linear(1, 32),
-        &[Arg::Ptr(0), Arg::Ptr(op)],
-        ILLEGAL_ADDRESS,
-        &["not device memory"],
-    );
-    let zeros = h.upload(&[0i32; 32]);
+    let (zeros, op) = (h.upload(&[0i32; 32]), h.alloc(4 * 32).unwrap());
+    let args = [Arg::Ptr(zeros), Arg::Ptr(op)];
     expect_failure(
         &h,
         "selftest_div_zero",
         Shape::linear(1, 32),
-        &[Arg::Ptr(zeros), Arg::Ptr(op)],
+        &args,
         LAUNCH_FAILED,
         &["division by zero"],
     );
