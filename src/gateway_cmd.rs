@@ -8,6 +8,7 @@ use kvgate_gateway::config::redact_url;
 use kvgate_gateway::store::{MemoryStore, RedisStore, Store};
 use kvgate_gateway::{Gateway, GatewayConfig};
 use kvgate_protocol::prompt::PromptRenderer;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -61,7 +62,7 @@ pub fn gateway(args: GatewayArgs) -> Result<()> {
     runtime()?.block_on(async move {
         let store = open_store(config.redis.as_deref()).await?;
         let gw = Gateway::start(config, store, renderer).await?;
-        serve_gateway(gw, None).await
+        serve_gateway(gw, None::<fn(SocketAddr, SocketAddr) -> String>).await
     })
 }
 
@@ -100,7 +101,12 @@ pub async fn open_store(redis: Option<&str>) -> Result<Arc<dyn Store>> {
 }
 
 /// Binds both listeners and serves until Ctrl-C or SIGTERM; streams in flight finish first.
-pub async fn serve_gateway(gw: Arc<Gateway>, banner: Option<String>) -> Result<()> {
+/// Serves `gw` until SIGTERM or Ctrl-C. `banner(api address, admin address)`, when given, is
+/// printed once both listeners are bound (so `:0` ports print as the ports they got).
+pub async fn serve_gateway(
+    gw: Arc<Gateway>,
+    banner: Option<impl FnOnce(SocketAddr, SocketAddr) -> String>,
+) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(&gw.config.listen)
         .await
         .with_context(|| format!("binding {}", gw.config.listen))?;
@@ -114,7 +120,7 @@ pub async fn serve_gateway(gw: Arc<Gateway>, banner: Option<String>) -> Result<(
         "gateway listening"
     );
     if let Some(b) = banner {
-        println!("{b}");
+        println!("{}", b(listener.local_addr()?, admin.local_addr()?));
     }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {

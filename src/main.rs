@@ -37,6 +37,7 @@ enum Command {
     /// Apply the Redis keyspace migrations.
     Migrate(gateway_cmd::MigrateArgs),
     /// Run kvgate on this machine with the default model, zero configuration.
+    #[command(after_help = serve_cmd::AFTER_HELP)]
     Serve(serve_cmd::ServeArgs),
     /// Generate text for one prompt through the engine path (block manager, paged attention).
     Generate(generate_cmd::GenerateArgs),

@@ -1,6 +1,8 @@
 //! `kvgate serve`: everything on one machine with zero configuration. The gateway (in-memory
 //! store, one default tenant) on 127.0.0.1:8080 in front of one in-process engine on a loopback
-//! port, with fresh random secrets. Prints a ready-to-use API key and a `curl` example.
+//! port, with fresh random secrets. Prints a ready-to-use API key, a `curl` example, and where
+//! the metrics are: the admin listener's `/metrics` serves the gateway's and the engine's
+//! (`kvgate_kv_*`, prefix-cache hits, preemptions) together.
 
 use crate::{gateway_cmd, model_cmd};
 use anyhow::{Context, Result};
@@ -11,10 +13,24 @@ use kvgate_gateway::config::EngineEntry;
 use kvgate_gateway::store::MemoryStore;
 use kvgate_gateway::tenant::Tenant;
 use kvgate_gateway::{Gateway, GatewayConfig};
+use kvgate_protocol::openai::SamplingDefaults;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 pub const DEFAULT_MODEL_ID: &str = "smollm2-135m-instruct";
+
+/// `kvgate serve --help`: what to do with the running service.
+pub const AFTER_HELP: &str = "\
+Once it runs, it prints an API key, the operator token and a curl command. Then:
+  metrics of the gateway and the engine (KV blocks, prefix-cache hits, preemptions):
+    curl -s http://127.0.0.1:9090/metrics | grep kvgate_kv_
+  a tenant and its key (the operator token is printed at start):
+    export KVGATE_ADMIN_URL=http://127.0.0.1:9090 KVGATE_OPERATOR_TOKEN=...
+    kvgate admin tenants create acme
+    kvgate admin keys issue acme
+  the KV cache dashboard: Prometheus scraping this serve, and dashboards/kv-cache.json in Grafana:
+    prometheus --config.file=deploy/prometheus/serve.yml --web.listen-address=127.0.0.1:9091";
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
@@ -32,6 +48,42 @@ pub struct ServeArgs {
     kv_blocks: u32,
 }
 
+/// Sampling defaults for the default model: greedy. SmolLM2-135M-Instruct in its Q4_1 GGUF puts
+/// nearly equal probability on its first two answers to the quick start's question (15% and 14%,
+/// "The capital..." and "L'Étoile..."), so even the model card's temperature 0.2 answers in
+/// broken French four times in ten; greedy decoding gives its best answer. A request that sets
+/// `temperature` samples as asked.
+fn default_model_sampling() -> SamplingDefaults {
+    SamplingDefaults {
+        temperature: Some(0.0),
+        ..SamplingDefaults::default()
+    }
+}
+
+/// What `serve` prints once it listens: the key, a first request, and where to look next.
+fn banner(api: SocketAddr, admin: SocketAddr, key: &str, operator_token: &str) -> String {
+    let model = DEFAULT_MODEL_ID;
+    let exe = std::env::current_exe()
+        .ok()
+        .map_or_else(|| "kvgate".into(), |p| p.display().to_string());
+    format!(
+        "kvgate is serving {model} on http://{api}\n\
+         API key for tenant 'default' (shown once): {key}\n\
+         operator token for the admin API on http://{admin}: {operator_token}\n\n\
+         try:\n  curl http://{api}/v1/chat/completions \\\n    \
+         -H 'authorization: Bearer {key}' -H 'content-type: application/json' \\\n    \
+         -d '{{\"model\":\"{model}\",\"max_tokens\":64,\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}]}}'\n\n\
+         metrics (gateway and engine: KV blocks, prefix-cache hits, preemptions):\n  \
+         curl -s http://{admin}/metrics | grep kvgate_kv_\n\
+         add a tenant and a key for it:\n  \
+         export KVGATE_ADMIN_URL=http://{admin} KVGATE_OPERATOR_TOKEN={operator_token}\n  \
+         {exe} admin tenants create acme\n  \
+         {exe} admin keys issue acme\n\
+         the KV cache dashboard (dashboards/kv-cache.json in Grafana), scraping this serve:\n  \
+         prometheus --config.file=deploy/prometheus/serve.yml --web.listen-address=127.0.0.1:9091"
+    )
+}
+
 fn secret() -> String {
     let b: [u8; 32] = rand::random();
     b.iter().map(|x| format!("{x:02x}")).collect()
@@ -45,6 +97,11 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let seed = secret();
     let engine_config = EngineConfig {
         listen: "127.0.0.1:0".into(),
+        sampling: if args.model.is_none() {
+            default_model_sampling()
+        } else {
+            SamplingDefaults::default()
+        },
         model: Some(dir.clone()),
         model_id: Some(DEFAULT_MODEL_ID.into()),
         kv: KvSection {
@@ -65,6 +122,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         .with_context(|| format!("starting the engine on {}", dir.display()))?;
     let renderer = state.renderer.clone();
     let context_tokens = state.context_len;
+    let engine_metrics = state.metrics.clone();
     gateway_cmd::runtime()?.block_on(async move {
         let engine_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let engine_addr = engine_listener.local_addr()?;
@@ -91,17 +149,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         let gw = Gateway::start(config, Arc::new(MemoryStore::new()), renderer).await?;
         gw.store.put_tenant(&Tenant::new("default")).await?;
         let (key, _) = gw.issue_key("default").await?;
-        let banner = format!(
-            "kvgate is serving {model} on http://{listen} (admin API and /metrics on http://{admin})\n\
-             API key for tenant 'default' (shown once): {key}\n\
-             operator token for the admin API: {operator_token}\n\n\
-             try:\n  curl http://{listen}/v1/chat/completions \\\n    \
-             -H 'authorization: Bearer {key}' -H 'content-type: application/json' \\\n    \
-             -d '{{\"model\":\"{model}\",\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}]}}'",
-            model = DEFAULT_MODEL_ID,
-            listen = gw.config.listen,
-            admin = gw.config.admin_listen,
-        );
+        gw.metrics.also_export(move || engine_metrics.render());
+        let banner = move |api, admin| banner(api, admin, &key, &operator_token);
         gateway_cmd::serve_gateway(gw, Some(banner)).await?;
         let _ = stop_engine.send(());
         engine.await??;

@@ -110,6 +110,17 @@ pub struct Metrics {
     pub store_errors: AtomicU64,
     pub request_duration: Histogram,
     pub routed_prefix_blocks: Histogram,
+    /// Other metrics served on the same `/metrics`: `kvgate serve`'s in-process engine.
+    also: std::sync::OnceLock<Also>,
+}
+
+/// Renders more metrics in the text format, appended to the gateway's own.
+struct Also(Box<dyn Fn() -> String + Send + Sync>);
+
+impl std::fmt::Debug for Also {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Also(<metrics renderer>)")
+    }
 }
 
 impl Default for Metrics {
@@ -125,6 +136,7 @@ impl Default for Metrics {
             store_errors: AtomicU64::new(0),
             request_duration: Histogram::new(LATENCY),
             routed_prefix_blocks: Histogram::new(BLOCKS),
+            also: std::sync::OnceLock::new(),
         }
     }
 }
@@ -229,6 +241,15 @@ impl Metrics {
                 v.load(Ordering::Relaxed)
             );
         }
+        if let Some(also) = self.also.get() {
+            out.push_str(&(also.0)());
+        }
         out
+    }
+
+    /// Serves `render`'s metrics on this gateway's `/metrics` too (set once; later calls are
+    /// ignored). Their names must not repeat the gateway's.
+    pub fn also_export(&self, render: impl Fn() -> String + Send + Sync + 'static) {
+        let _ = self.also.set(Also(Box::new(render)));
     }
 }

@@ -27,7 +27,7 @@ mod validate;
 pub use chat::{ChatCompletionRequest, ChatInput, ContentPart, MessageContent, RequestMessage};
 pub use completion::{CompletionInput, CompletionRequest, Prompt, PromptInput};
 pub use error::{ApiError, ErrorBody, ErrorCode, ErrorObject};
-pub use params::{Limits, SamplingParams, Stop, StreamOptions, MAX_LOGPROBS};
+pub use params::{Limits, SamplingDefaults, SamplingParams, Stop, StreamOptions, MAX_LOGPROBS};
 pub use response::{
     AssistantMessage, ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
     CompletionChoice, CompletionLogprobs, CompletionResponse, FinishReason, ModelCard, ModelList,

@@ -825,3 +825,74 @@ fn requests_serialize_for_clients() {
                "max_completion_tokens": 8, "stream": true})
     );
 }
+
+/// The model's sampling defaults fill what a request leaves out; a field the request sets wins,
+/// and a greedy default turns the filters off like a greedy request does.
+#[test]
+fn sampling_defaults_fill_only_what_the_request_leaves_out() {
+    let limits = Limits {
+        defaults: SamplingDefaults {
+            temperature: Some(0.3),
+            top_p: Some(0.9),
+            top_k: Some(40),
+            ..SamplingDefaults::default()
+        },
+        ..Limits::default()
+    };
+    let parse = |extra: Value| {
+        let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        ChatCompletionRequest::parse(body.to_string().as_bytes())
+            .unwrap()
+            .validate(&limits)
+            .unwrap()
+            .params
+    };
+    let p = parse(json!({}));
+    assert_eq!((p.temperature, p.top_p, p.top_k), (0.3, 0.9, Some(40)));
+    let p = parse(json!({"temperature": 1.0, "top_k": -1}));
+    assert_eq!((p.temperature, p.top_p, p.top_k), (1.0, 0.9, None));
+    let greedy = Limits {
+        defaults: SamplingDefaults {
+            temperature: Some(0.0),
+            top_p: Some(0.5),
+            ..SamplingDefaults::default()
+        },
+        ..Limits::default()
+    };
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+    let p = ChatCompletionRequest::parse(body.to_string().as_bytes())
+        .unwrap()
+        .validate(&greedy)
+        .unwrap()
+        .params;
+    assert!(p.is_greedy());
+    assert_eq!(p.top_p, 1.0);
+
+    let gen = json!({"bos_token_id": 1, "do_sample": true, "temperature": 0.6, "top_p": 0.95,
+                     "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 256});
+    let d = SamplingDefaults::from_generation_config(&gen);
+    assert_eq!(
+        d,
+        SamplingDefaults {
+            temperature: Some(0.6),
+            top_p: Some(0.95),
+            top_k: Some(20),
+            min_p: None,
+            repetition_penalty: Some(1.1),
+        }
+    );
+    let engine = SamplingDefaults {
+        temperature: Some(0.0),
+        ..SamplingDefaults::default()
+    };
+    assert_eq!(engine.or(d).temperature, Some(0.0));
+    assert_eq!(engine.or(d).top_p, Some(0.95));
+    let bad = SamplingDefaults {
+        top_p: Some(2.0),
+        ..SamplingDefaults::default()
+    };
+    assert_eq!(bad.check().unwrap_err().param.as_deref(), Some("top_p"));
+}

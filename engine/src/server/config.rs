@@ -23,6 +23,9 @@
 //! max_batched_tokens = 2048
 //! max_seqs = 64
 //! preemption = "recompute"                  # or "swap"
+//! [sampling]                                # defaults for what a request leaves out; each
+//! temperature = 0.2                         # overrides the model's generation_config.json
+//! top_p = 0.9                               # (also top_k, min_p, repetition_penalty)
 //! [auth]
 //! engine_token = "..."                      # required from the gateway on /v1/* and /kv/events
 //! operator_token = "..."                    # required on /admin/*
@@ -54,6 +57,10 @@ pub struct EngineConfig {
     pub scheduler: SchedulerSection,
     #[serde(default)]
     pub auth: AuthSection,
+    /// Sampling defaults for the fields a request leaves out, over the model's own
+    /// (`generation_config.json`).
+    #[serde(default)]
+    pub sampling: kvgate_protocol::openai::SamplingDefaults,
     /// Largest request body, in bytes.
     #[serde(default = "default_body_limit")]
     pub max_body_bytes: usize,
@@ -194,6 +201,9 @@ impl EngineConfig {
                 self.device
             ));
         }
+        if let Err(e) = self.sampling.check() {
+            return Err(format!("sampling: {}", e.message));
+        }
         if !(self.kv.gpu_memory_fraction > 0.0 && self.kv.gpu_memory_fraction <= 1.0) {
             return Err("kv.gpu_memory_fraction: must be in (0, 1]".into());
         }
@@ -303,6 +313,9 @@ mod tests {
             ("[kv]\nhash_seed = \"abc\"", "kv.hash_seed"),
             ("listen = \"nowhere\"", "listen"),
             ("bogus = 1", "bogus"),
+            ("[sampling]\ntemperature = -1", "temperature"),
+            ("[sampling]\ntop_p = 0", "top_p"),
+            ("[sampling]\nseed = 3", "seed"),
         ] {
             let e = EngineConfig::parse(text).unwrap_err();
             assert!(e.contains(field), "{e} should name {field}");

@@ -9,7 +9,7 @@ use crate::model::{Llama, LoadOptions, ModelConfig, ModelError};
 use crate::scheduler::{PreemptMode, Scheduler, SchedulerConfig};
 use crate::worker::{EngineThread, Worker, DEFAULT_STALL_AFTER};
 use kvgate_kernels::{Backend, Cpu, DType};
-use kvgate_protocol::openai::Limits;
+use kvgate_protocol::openai::{Limits, SamplingDefaults};
 use kvgate_protocol::prompt::PromptRenderer;
 use kvgate_protocol::{BlockHasher, HashParams};
 use std::path::Path;
@@ -156,7 +156,10 @@ fn start_on<B: Backend + 'static>(
         engine,
         metrics,
         kv_events: kv_tx,
-        limits: Limits::default(),
+        limits: Limits {
+            defaults: sampling_defaults(config, dir)?,
+            ..Limits::default()
+        },
         max_body_bytes: config.max_body_bytes,
         engine_token: config.auth.engine_token.clone(),
         operator_token: config.auth.operator_token.clone(),
@@ -168,6 +171,22 @@ fn start_on<B: Backend + 'static>(
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
     }))
+}
+
+/// The engine's `[sampling]` over the model's `generation_config.json` (when it has one).
+fn sampling_defaults(config: &EngineConfig, dir: &Path) -> Result<SamplingDefaults, LaunchError> {
+    let path = dir.join("generation_config.json");
+    let model = match std::fs::read_to_string(&path) {
+        Ok(text) => serde_json::from_str(&text)
+            .map(|json| SamplingDefaults::from_generation_config(&json))
+            .map_err(|e| LaunchError::Config(format!("{}: {e}", path.display())))?,
+        Err(_) => SamplingDefaults::default(),
+    };
+    let defaults = config.sampling.or(model);
+    defaults
+        .check()
+        .map_err(|e| LaunchError::Config(format!("{}: {}", path.display(), e.message)))?;
+    Ok(defaults)
 }
 
 /// The CUDA engine: KV in the weights' storage type, the pool sized from free GPU memory.

@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 /// The most top logprobs a request may ask for per token.
 pub const MAX_LOGPROBS: u32 = 20;
 
-/// Server-side limits on what a request may ask for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Server-side limits on what a request may ask for, and the defaults of what it leaves out.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Limits {
     /// Largest `n` (parallel samples per request).
     pub max_n: u32,
@@ -24,6 +24,8 @@ pub struct Limits {
     pub max_stop_token_ids: usize,
     /// Most `logit_bias` entries (OpenAI's limit); each is applied on every generated token.
     pub max_logit_bias: usize,
+    /// The model's sampling defaults, for the fields a request leaves out.
+    pub defaults: SamplingDefaults,
 }
 
 impl Default for Limits {
@@ -35,7 +37,69 @@ impl Default for Limits {
             max_stop_len: 256,
             max_stop_token_ids: 256,
             max_logit_bias: 300,
+            defaults: SamplingDefaults::default(),
         }
+    }
+}
+
+/// A model's default sampling parameters: what a request that leaves a field out gets, instead
+/// of OpenAI's defaults (temperature 1, nothing filtered). They come from the model's
+/// `generation_config.json` (the Hugging Face file; vLLM reads it the same way) and the engine's
+/// `[sampling]` section, which overrides it field by field. A field set in the request wins.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingDefaults {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_p: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repetition_penalty: Option<f64>,
+}
+
+impl SamplingDefaults {
+    /// The sampling fields of a Hugging Face `generation_config.json`; the other fields (token
+    /// ids, `max_length`, `do_sample`) are not sampling defaults and are ignored, as vLLM does.
+    pub fn from_generation_config(json: &serde_json::Value) -> Self {
+        let f = |k: &str| json.get(k).and_then(serde_json::Value::as_f64);
+        SamplingDefaults {
+            temperature: f("temperature"),
+            top_p: f("top_p"),
+            top_k: json.get("top_k").and_then(serde_json::Value::as_i64),
+            min_p: f("min_p"),
+            repetition_penalty: f("repetition_penalty"),
+        }
+    }
+
+    /// `self`, with the fields it leaves unset taken from `fallback`.
+    pub fn or(self, fallback: SamplingDefaults) -> Self {
+        SamplingDefaults {
+            temperature: self.temperature.or(fallback.temperature),
+            top_p: self.top_p.or(fallback.top_p),
+            top_k: self.top_k.or(fallback.top_k),
+            min_p: self.min_p.or(fallback.min_p),
+            repetition_penalty: self.repetition_penalty.or(fallback.repetition_penalty),
+        }
+    }
+
+    /// Checks each default by the rules a request's own field must pass; the error names it.
+    pub fn check(&self) -> Result<(), ApiError> {
+        super::validate::RawSampling {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            max_tokens_param: "max_tokens",
+            logprobs_param: "logprobs",
+            ..Default::default()
+        }
+        .validate(&Limits::default())
+        .map(drop)
     }
 }
 

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 pub const GREEDY_EPSILON: f64 = 1e-5;
 
 /// The sampling fields of a request as sent, borrowed from either request type.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct RawSampling<'a> {
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
@@ -87,7 +87,21 @@ impl RawSampling<'_> {
     /// Checks every field against `limits` and normalizes: a temperature under
     /// [`GREEDY_EPSILON`] becomes greedy (and turns top-k/top-p/min-p off), `top_k` 0 or -1
     /// becomes `None`, empty stop strings are dropped.
+    /// A field the request leaves out takes the model's default ([`Limits::defaults`]) first.
     pub fn validate(&self, limits: &Limits) -> Result<SamplingParams, ApiError> {
+        let d = &limits.defaults;
+        let raw = RawSampling {
+            temperature: self.temperature.or(d.temperature),
+            top_p: self.top_p.or(d.top_p),
+            top_k: self.top_k.or(d.top_k),
+            min_p: self.min_p.or(d.min_p),
+            repetition_penalty: self.repetition_penalty.or(d.repetition_penalty),
+            ..*self
+        };
+        raw.validate_fields(limits)
+    }
+
+    fn validate_fields(&self, limits: &Limits) -> Result<SamplingParams, ApiError> {
         let t = self.temperature;
         let temperature = range_f32(
             "temperature",
