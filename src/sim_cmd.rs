@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kvgate_engine::sim::{self, SimConfig, WorkloadKind};
+use kvgate_sim::memory::{self as sim, SimConfig, WorkloadKind};
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]

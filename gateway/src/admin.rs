@@ -7,7 +7,7 @@
 //!   `POST /admin/engines/{name}/drain[?wait=SECS]`, `POST /admin/engines/{name}/undrain`
 //! - `POST /admin/cache/flush` with `{"engine": name?, "tenant": id?}`
 
-use crate::server::Gateway;
+use crate::state::Gateway;
 use crate::tenant::{unix_now, valid_id, KeyRecord, Tenant};
 use crate::upstream::{now_ms, Engine};
 use bytes::Bytes;

@@ -14,9 +14,9 @@ mod guard;
 
 use self::guard::{EngineLoad, Lease, Outcome};
 use crate::auth::Principal;
+use crate::extensions::{BodyLimit, RequestId};
 use crate::routing::prefix::PromptHashes;
-use crate::server::Gateway;
-use crate::service::{BodyLimit, RequestId};
+use crate::state::Gateway;
 use crate::store::Admission;
 use crate::upstream::proxy::{self, Forward, StreamEnd};
 use crate::upstream::{now_ms, Engine};

@@ -7,19 +7,26 @@
 //! - Keys, tenants, Redis / in-memory state and rate limits: [`auth`], [`tenant`], [`store`].
 //! - The policy, the prefix index and request hashing: [`routing`].
 //! - Engines, health, KV events and the proxy: [`upstream`].
-//! - Start-up and listeners: [`server`]; Prometheus: [`metrics`].
+//! - Shared state and start-up: [`state`]; the request extensions the stack hands the
+//!   handlers: [`extensions`]; the listeners: [`server`]; Prometheus: [`metrics`].
+//!
+//! Dependencies inside the crate point one way: `server` -> `service` -> `api` -> `state`, and
+//! `server` -> `admin` -> `state`; `state` uses the building blocks (`auth`, `routing`, `store`,
+//! `upstream`, ...), which use none of these.
 
 pub mod admin;
 pub mod api;
 pub mod auth;
 pub mod config;
+pub mod extensions;
 pub mod metrics;
 pub mod routing;
 pub mod server;
 pub mod service;
+pub mod state;
 pub mod store;
 pub mod tenant;
 pub mod upstream;
 
 pub use config::GatewayConfig;
-pub use server::{Gateway, StartError};
+pub use state::{Gateway, StartError};

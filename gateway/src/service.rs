@@ -6,7 +6,8 @@
 
 use crate::api;
 use crate::auth::{AuthError, Principal};
-use crate::server::Gateway;
+use crate::extensions::{BodyLimit, RequestId};
+use crate::state::Gateway;
 use hyper::body::Incoming;
 use hyper::{header, Request, Response};
 use kvgate_http::{error_response, RespBody};
@@ -24,10 +25,6 @@ use tracing::Instrument;
 type Req = Request<Incoming>;
 type Resp = Response<RespBody>;
 type BoxFut = Pin<Box<dyn Future<Output = Result<Resp, Infallible>> + Send>>;
-
-/// The request's id (client-sent `x-request-id` when sane, else generated).
-#[derive(Debug, Clone)]
-pub struct RequestId(pub Arc<str>);
 
 /// The whole stack for one connection, as a hyper service.
 pub fn stack(
@@ -136,7 +133,7 @@ where
             .map(|r| r.0.clone())
             .unwrap_or_else(|| Arc::from(""));
         // Never the body: no prompt text reaches the logs.
-        let span = tracing::info_span!(
+        let span = tracing::debug_span!(
             "request",
             id = %id,
             method = %req.method(),
@@ -166,10 +163,6 @@ struct BodyLimitService<S> {
     inner: S,
     limit: usize,
 }
-
-/// The body limit, for the handler's bounded read.
-#[derive(Debug, Clone, Copy)]
-pub struct BodyLimit(pub usize);
 
 impl<S> Service<Req> for BodyLimitService<S>
 where

@@ -214,8 +214,8 @@ pub fn sharegpt_prompts(path: &Path, n: usize, max_chars: usize) -> Result<Vec<(
             a["value"].as_str().unwrap_or(""),
         );
         let (pt, at) = (
-            kvgate_engine::sim::approx_tokens::approx_token_count(q),
-            kvgate_engine::sim::approx_tokens::approx_token_count(a),
+            kvgate_sim::memory::approx_tokens::approx_token_count(q),
+            kvgate_sim::memory::approx_tokens::approx_token_count(a),
         );
         if pt < 4 || at < 4 || pt > 1024 || pt + at > 2048 {
             continue;

@@ -1,13 +1,11 @@
 //! `kvgate bench --routing-sim`: the gateway's routing policies side by side on one simulated
-//! trace (`kvgate_gateway::routing::sim`), and the cost of one full routing decision with the real
+//! trace (`kvgate_sim::routing`), and the cost of one full routing decision with the real
 //! tokenizer.
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kvgate_gateway::routing::sim::{
-    self, DecisionTiming, PolicyResult, SimConfig, SimPolicy, Trace,
-};
 use kvgate_protocol::prompt::PromptRenderer;
+use kvgate_sim::routing::{self as sim, DecisionTiming, PolicyResult, SimConfig, SimPolicy, Trace};
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;

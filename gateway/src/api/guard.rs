@@ -8,7 +8,7 @@
 //! - [`Outcome`]: the request's status and duration in the metrics (499 when the client left
 //!   before an answer).
 
-use crate::server::Gateway;
+use crate::state::Gateway;
 use crate::tenant::RateLimits;
 use crate::upstream::Engine;
 use std::sync::atomic::{AtomicU64, Ordering};

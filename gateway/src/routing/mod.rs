@@ -13,7 +13,6 @@
 
 pub mod index;
 pub mod prefix;
-pub mod sim;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};

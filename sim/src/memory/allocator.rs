@@ -8,7 +8,7 @@
 use super::buddy::Buddy;
 use super::first_fit::FirstFit;
 use super::workload::Request;
-use crate::kv::{test_manager, HashedPrompt, KvCacheManager, ScopeId, SeqId};
+use kvgate_engine::kv::{test_manager, HashedPrompt, KvCacheManager, ScopeId, SeqId};
 use std::collections::HashMap;
 
 /// A memory policy. Slots are token positions of KV memory.

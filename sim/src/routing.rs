@@ -15,7 +15,7 @@
 //! prefill ends, the engine's new blocks are stored and evictions happen, and the gateway's
 //! [`PrefixIndex`] gets the same inserts and removals (KV events, delivered instantly).
 //!
-//! The router sees exactly what the gateway computes ([`crate::upstream::Registry::candidates`]):
+//! The router sees exactly what the gateway computes ([`kvgate_gateway::upstream::Registry::candidates`]):
 //! `matched_blocks` from the index, and `load = queued prefill tokens + kv_weight * kv_usage`,
 //! where queued prefill counts the uncached prompt tokens (as estimated at routing time) of every
 //! request routed to the engine whose first token has not come back, and `kv_usage` is the blocks
@@ -28,9 +28,9 @@
 //!
 //! Unlike the rest of `routing`, this module reads the clock (decision times).
 
-use super::index::{PrefixIndex, MAX_ENGINES};
-use super::prefix::PromptHasher;
-use super::{engine_id, Candidate, Policy, Router, RouterConfig};
+use kvgate_gateway::routing::index::{PrefixIndex, MAX_ENGINES};
+use kvgate_gateway::routing::prefix::PromptHasher;
+use kvgate_gateway::routing::{engine_id, Candidate, Policy, Router, RouterConfig};
 use kvgate_protocol::prompt::{ChatMessage, PromptError, PromptRenderer};
 use kvgate_protocol::{BlockHash, BlockHasher, HashParams};
 use rand::rngs::StdRng;
@@ -72,7 +72,7 @@ pub struct SimConfig {
 
 impl Default for SimConfig {
     fn default() -> Self {
-        let routing = crate::config::RoutingSection::default();
+        let routing = kvgate_gateway::config::RoutingSection::default();
         SimConfig {
             engines: 8,
             tenants: 100,

@@ -1,0 +1,256 @@
+//! The gateway's shared state and its start-up: engines from config and store, their health and
+//! KV-event tasks, the registry sync between replicas. Handlers ([`crate::api`],
+//! [`crate::admin`]) and the tower stack ([`crate::service`]) read it; [`crate::server`] serves it.
+
+use crate::auth::Auth;
+use crate::config::GatewayConfig;
+use crate::metrics::Metrics;
+use crate::routing::prefix::PromptHasher;
+use crate::routing::{Policy, Router, RouterConfig};
+use crate::store::{Store, StoreError};
+use crate::tenant::{generate_key, generate_key_id, unix_now, EngineRecord, KeyRecord};
+use crate::upstream::{self, events, health, Engine, HttpClient, Registry, RegistryError};
+use kvgate_protocol::prompt::PromptRenderer;
+use kvgate_protocol::{BlockHasher, HashParams};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Everything the handlers share.
+#[derive(Debug)]
+pub struct Gateway {
+    pub config: GatewayConfig,
+    pub store: Arc<dyn Store>,
+    pub registry: Arc<Registry>,
+    pub router: Router,
+    pub hasher: PromptHasher,
+    pub auth: Auth,
+    pub metrics: Metrics,
+    pub client: HttpClient,
+    pub engine_token: Option<Arc<str>>,
+    /// Most bytes of prompt text a request may carry (see [`max_prompt_bytes`]).
+    pub max_prompt_bytes: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error("engines: {0}")]
+    Registry(#[from] RegistryError),
+    #[error("config: {0}")]
+    Config(String),
+}
+
+impl Gateway {
+    /// Builds the gateway and starts following every engine in the config and the store.
+    /// Must run inside a tokio runtime.
+    pub async fn start(
+        config: GatewayConfig,
+        store: Arc<dyn Store>,
+        renderer: Arc<PromptRenderer>,
+    ) -> Result<Arc<Gateway>, StartError> {
+        config.validate().map_err(StartError::Config)?;
+        let pepper = config.pepper.clone().ok_or_else(|| {
+            StartError::Config("pepper: required (or KVGATE_PEPPER), 16+ characters".into())
+        })?;
+        let hasher = BlockHasher::new(&HashParams {
+            model_id: config.model_id.clone(),
+            weight_version: "1".into(),
+            kv_dtype: config.kv_dtype.clone(),
+            block_size: config.block_size,
+            seed: config.seed(),
+        });
+        if config.engine_token.is_none() {
+            tracing::warn!(
+                "no engine_token (KVGATE_ENGINE_TOKEN): engines ignore the tenant and scope \
+                 headers of an unauthenticated gateway, so every tenant shares one cache scope"
+            );
+        }
+        let policy = Policy::parse(&config.routing.policy)
+            .ok_or_else(|| StartError::Config("routing.policy".into()))?;
+        let gw = Arc::new(Gateway {
+            router: Router::new(RouterConfig {
+                policy,
+                alpha: config.routing.alpha,
+                load_factor: config.routing.load_factor,
+                block_size: config.block_size,
+            }),
+            max_prompt_bytes: max_prompt_bytes(&renderer, config.context_tokens()),
+            hasher: PromptHasher::new(renderer, hasher),
+            auth: Auth::new(
+                store.clone(),
+                &pepper,
+                Duration::from_secs(config.key_cache_ttl_secs),
+            ),
+            engine_token: config.engine_token.as_deref().map(Arc::from),
+            registry: Arc::new(Registry::new()),
+            metrics: Metrics::default(),
+            client: upstream::http_client(),
+            store,
+            config,
+        });
+        for e in gw.config.engines.clone() {
+            gw.follow_engine(&e.name, &e.url)?;
+        }
+        for e in gw.store.list_engines().await? {
+            if gw.registry.get(&e.name).is_none() {
+                gw.follow_engine(&e.name, &e.url)?;
+            }
+        }
+        if gw.config.redis.is_some() {
+            tokio::spawn(sync_engines(Arc::downgrade(&gw)));
+        }
+        let weak = Arc::downgrade(&gw);
+        gw.store
+            .follow_tenant_changes(Arc::new(move |tenant: Option<&str>| {
+                let Some(gw) = weak.upgrade() else {
+                    return false;
+                };
+                match tenant {
+                    Some(t) => gw.auth.invalidate_tenant(t),
+                    None => gw.auth.invalidate_all(),
+                }
+                true
+            }));
+        // First health round now, so the gateway routes as soon as it listens.
+        let first =
+            gw.registry
+                .all()
+                .into_iter()
+                .map(|e| {
+                    let gw = gw.clone();
+                    async move {
+                        health::check(&e, &gw.client, gw.config.operator_token.as_deref()).await
+                    }
+                })
+                .collect::<Vec<_>>();
+        for f in first {
+            f.await;
+        }
+        Ok(gw)
+    }
+
+    /// Adds an engine to this process's registry and starts its health and event tasks.
+    pub fn follow_engine(&self, name: &str, url: &str) -> Result<Arc<Engine>, RegistryError> {
+        let engine = self.registry.add(name, url)?;
+        tokio::spawn(health::watch(
+            engine.clone(),
+            self.client.clone(),
+            self.config.operator_token.clone(),
+        ));
+        tokio::spawn(events::follow(
+            engine.clone(),
+            self.registry.clone(),
+            self.client.clone(),
+            self.config.engine_token.clone(),
+        ));
+        Ok(engine)
+    }
+
+    /// Adds an engine and persists it, so every replica (and this one after a restart) has it.
+    pub async fn add_engine(&self, name: &str, url: &str) -> Result<Arc<Engine>, String> {
+        if name.is_empty() || !url.starts_with("http://") {
+            return Err("an engine needs a name and an http:// url".into());
+        }
+        if self.registry.get(name).is_some() {
+            return Err(RegistryError::Exists(name.to_owned()).to_string());
+        }
+        // Stored first: the registry sync never sees it here but missing from the store.
+        let rec = EngineRecord {
+            name: name.to_owned(),
+            url: url.to_owned(),
+            added_at: unix_now(),
+        };
+        self.store
+            .put_engine(&rec)
+            .await
+            .map_err(|e| e.to_string())?;
+        let engine = self.follow_engine(name, url).map_err(|e| e.to_string())?;
+        health::check(&engine, &self.client, self.config.operator_token.as_deref()).await;
+        Ok(engine)
+    }
+
+    /// Issues a new API key for `tenant` (which must exist): returns the key, to be shown once,
+    /// and the stored record (its hash only).
+    pub async fn issue_key(&self, tenant: &str) -> Result<(String, KeyRecord), StoreError> {
+        let key = generate_key();
+        let rec = KeyRecord {
+            id: generate_key_id(),
+            tenant: tenant.to_owned(),
+            hash: self.auth.hash(&key),
+            prefix: key[..8].to_owned(),
+            created_at: unix_now(),
+            revoked: false,
+        };
+        self.store.put_key(&rec).await?;
+        Ok((key, rec))
+    }
+
+    /// Removes an engine from this process and the store.
+    pub async fn remove_engine(&self, name: &str) -> Result<bool, StoreError> {
+        let stored = self.store.remove_engine(name).await?;
+        let here = self.registry.remove(name).is_some();
+        self.metrics.forget_engine(name);
+        self.router.forget_homes();
+        Ok(here || stored)
+    }
+
+    /// Stops following every engine (health checks, KV event streams), for shutdown: an engine
+    /// shutting down gracefully waits for the event stream's connection to close.
+    pub fn stop_following(&self) {
+        for e in self.registry.all() {
+            self.registry.remove(&e.name);
+        }
+    }
+}
+
+/// The most prompt text, in bytes, that can fit in `context_tokens`: every token at the
+/// vocabulary's longest. Anything longer is refused before the tokenizer sees it, so a huge
+/// prompt costs a length check, not seconds of tokenizing.
+pub fn max_prompt_bytes(renderer: &PromptRenderer, context_tokens: usize) -> usize {
+    let longest = (0..renderer.vocab_size() as u32)
+        .filter_map(|id| renderer.decode(&[id]).ok())
+        .map(|t| t.len())
+        .max()
+        .unwrap_or(16)
+        .max(1);
+    context_tokens.saturating_mul(longest)
+}
+
+/// How often a gateway re-reads the engine registry from the store, so engines added or removed
+/// through any replica reach every replica.
+const REGISTRY_SYNC: Duration = Duration::from_secs(5);
+
+/// Follows engines added to the store by other replicas and drops the ones removed there
+/// (engines from this gateway's own config stay). Ends with the gateway.
+async fn sync_engines(gw: std::sync::Weak<Gateway>) {
+    loop {
+        tokio::time::sleep(REGISTRY_SYNC).await;
+        let Some(gw) = gw.upgrade() else { return };
+        let stored = match gw.store.list_engines().await {
+            Ok(list) => list,
+            Err(e) => {
+                tracing::debug!(error = %e, "engine registry sync skipped");
+                continue;
+            }
+        };
+        for e in &stored {
+            if gw.registry.get(&e.name).is_none() {
+                match gw.follow_engine(&e.name, &e.url) {
+                    Ok(_) => tracing::info!(engine = %e.name, "engine added by another gateway"),
+                    Err(err) => {
+                        tracing::warn!(engine = %e.name, error = %err, "cannot follow engine")
+                    }
+                }
+            }
+        }
+        for e in gw.registry.all() {
+            let configured = gw.config.engines.iter().any(|c| c.name == e.name);
+            if !configured && !stored.iter().any(|s| s.name == e.name) {
+                gw.registry.remove(&e.name);
+                gw.metrics.forget_engine(&e.name);
+                tracing::info!(engine = %e.name, "engine removed by another gateway");
+            }
+        }
+    }
+}
