@@ -100,38 +100,46 @@ pub async fn open_store(redis: Option<&str>) -> Result<Arc<dyn Store>> {
     })
 }
 
-/// Binds both listeners and serves until Ctrl-C or SIGTERM; streams in flight finish first.
-/// Serves `gw` until SIGTERM or Ctrl-C. `banner(api address, admin address)`, when given, is
+/// Serves `gw` until SIGTERM or Ctrl-C; requests and streams in flight finish first. The
+/// tenants' API runs on `api_threads` threads of its own (one per CPU by default), the admin API
+/// and the background work on this runtime. `banner(api address, admin address)`, when given, is
 /// printed once both listeners are bound (so `:0` ports print as the ports they got).
 pub async fn serve_gateway(
     gw: Arc<Gateway>,
     banner: Option<impl FnOnce(SocketAddr, SocketAddr) -> String>,
 ) -> Result<()> {
-    let listener = tokio::net::TcpListener::bind(&gw.config.listen)
+    let api_addr = tokio::net::lookup_host(&gw.config.listen)
         .await
-        .with_context(|| format!("binding {}", gw.config.listen))?;
+        .ok()
+        .and_then(|mut a| a.next())
+        .with_context(|| format!("listen: cannot resolve {}", gw.config.listen))?;
     let admin = tokio::net::TcpListener::bind(&gw.config.admin_listen)
         .await
         .with_context(|| format!("binding {}", gw.config.admin_listen))?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let threads = gw.config.api_threads();
+    let api = gw
+        .clone()
+        .run_threads(api_addr, threads, stop_rx.clone())
+        .with_context(|| format!("binding {}", gw.config.listen))?;
     tracing::info!(
-        addr = %listener.local_addr()?,
+        addr = %api.addr,
         admin = %admin.local_addr()?,
+        threads,
         engines = gw.registry.all().len(),
         "gateway listening"
     );
     if let Some(b) = banner {
-        println!("{}", b(listener.local_addr()?, admin.local_addr()?));
+        println!("{}", b(api.addr, admin.local_addr()?));
     }
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let admin_task = tokio::spawn(gw.clone().run_admin(admin, wait(stop_rx.clone())));
-    let api_task = tokio::spawn(gw.clone().run(listener, wait(stop_rx)));
+    let admin_task = tokio::spawn(gw.clone().run_admin(admin, wait(stop_rx)));
     shutdown_signal().await;
     tracing::info!("shutting down: finishing requests in flight");
     let _ = stop_tx.send(true);
-    api_task.await??;
+    tokio::task::spawn_blocking(move || api.join()).await??;
     admin_task.await??;
     gw.stop_following();
     Ok(())

@@ -27,7 +27,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use kvgate_http::{error_response, json_response, ok_json, RespBody};
 use kvgate_protocol::openai::{
     strip_client_scope, ApiError, ChatCompletionRequest, CompletionRequest, ErrorCode, Limits,
-    ModelCard, ModelList, PromptInput,
+    ModelCard, ModelList, PromptInput, CLIENT_SCOPE_FIELDS,
 };
 use serde::Deserialize;
 use std::sync::atomic::Ordering;
@@ -180,8 +180,135 @@ async fn prepare_bounded(
         .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))?
 }
 
-/// Validates with the engine's rules and rewrites the body for the engine.
-fn prepare(gw: &Gateway, p: &Principal, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError> {
+/// Validates with the engine's rules and, where needed, rewrites the body for the engine.
+///
+/// Most requests need no rewrite: no client cache-scope field to remove, no tenant system prompt
+/// to add, not streamed (whose `stream_options` the gateway sets). Those are parsed once, into
+/// the typed request, and forwarded as the bytes the client sent. The others go through a JSON
+/// tree that is edited and written out again.
+fn prepare(gw: &Gateway, p: &Principal, kind: Kind, body: &Bytes) -> Result<Prepared, ApiError> {
+    let scope_fields = CLIENT_SCOPE_FIELDS
+        .iter()
+        .any(|f| memchr::memmem::find(body, f.as_bytes()).is_some());
+    if !scope_fields && body.len() <= gw.max_prompt_bytes {
+        let checked = match kind {
+            Kind::Chat => {
+                // A body that does not parse takes the tree's path, for its errors.
+                let Ok(typed) = ChatCompletionRequest::parse(body) else {
+                    return prepare_rewritten(gw, p, kind, body);
+                };
+                let adds_system = p.tenant.system_prompt.is_some()
+                    && !typed
+                        .messages
+                        .iter()
+                        .any(|m| matches!(m.role.as_str(), "system" | "developer"));
+                if adds_system {
+                    None
+                } else {
+                    Some(check_chat(gw, p, &typed)?)
+                }
+            }
+            Kind::Completion => {
+                let Ok(typed) = CompletionRequest::parse(body) else {
+                    return prepare_rewritten(gw, p, kind, body);
+                };
+                Some(check_completion(gw, p, &typed)?)
+            }
+        };
+        if let Some(checked) = checked.filter(|c| !c.stream) {
+            return Ok(checked.prepared(body.clone()));
+        }
+    }
+    prepare_rewritten(gw, p, kind, body)
+}
+
+/// What a request was found to be: its stream flags and prompt hashes.
+struct Checked {
+    stream: bool,
+    wants_usage: bool,
+    hashes: PromptHashes,
+}
+
+impl Checked {
+    fn prepared(self, body: Bytes) -> Prepared {
+        Prepared {
+            body,
+            hashes: self.hashes,
+            stream: self.stream,
+            wants_usage: self.wants_usage,
+        }
+    }
+}
+
+/// A chat request validated with the engine's rules, its model checked, its prompt hashed.
+fn check_chat(
+    gw: &Gateway,
+    p: &Principal,
+    typed: &ChatCompletionRequest,
+) -> Result<Checked, ApiError> {
+    let input = typed.validate(&Limits::default())?;
+    let hashes = gw
+        .hasher
+        .chat(&p.tenant.scope(), &input.messages)
+        .map_err(|e| ApiError::invalid_value("messages", e.to_string()))?;
+    // The engine's own length rule, before the request is charged or forwarded.
+    input
+        .params
+        .max_tokens_for(hashes.prompt_tokens, gw.config.context_tokens())?;
+    check_model(gw, p, &typed.model)?;
+    Ok(Checked {
+        stream: input.stream,
+        wants_usage: input.include_usage,
+        hashes,
+    })
+}
+
+/// A completion request validated, its model checked, its prompt hashed.
+fn check_completion(
+    gw: &Gateway,
+    p: &Principal,
+    typed: &CompletionRequest,
+) -> Result<Checked, ApiError> {
+    let input = typed.validate(&Limits::default())?;
+    let scope = p.tenant.scope();
+    let hashes = match &input.prompt {
+        PromptInput::Text(t) => gw
+            .hasher
+            .text(&scope, t)
+            .map_err(|e| ApiError::invalid_value("prompt", e.to_string()))?,
+        PromptInput::Tokens(t) => gw.hasher.tokens(&scope, t),
+    };
+    input
+        .params
+        .max_tokens_for(hashes.prompt_tokens, gw.config.context_tokens())?;
+    check_model(gw, p, &typed.model)?;
+    Ok(Checked {
+        stream: input.stream,
+        wants_usage: input.include_usage,
+        hashes,
+    })
+}
+
+fn check_model(gw: &Gateway, p: &Principal, model: &str) -> Result<(), ApiError> {
+    if model != gw.config.model_id {
+        return Err(ApiError::model_not_found(model));
+    }
+    if !p.tenant.allows_model(model) {
+        return Err(ApiError::forbidden(format!(
+            "This key may not use the model '{model}'."
+        )));
+    }
+    Ok(())
+}
+
+/// [`prepare`] through a JSON tree: client scope fields removed, the tenant's system prompt
+/// added, `stream_options` set, the text bounded before it is tokenized.
+fn prepare_rewritten(
+    gw: &Gateway,
+    p: &Principal,
+    kind: Kind,
+    body: &[u8],
+) -> Result<Prepared, ApiError> {
     let tenant = &p.tenant;
     let mut json: serde_json::Value =
         serde_json::from_slice(body).map_err(|e| ApiError::from_json_error(&e))?;
@@ -204,9 +331,7 @@ fn prepare(gw: &Gateway, p: &Principal, kind: Kind, body: &[u8]) -> Result<Prepa
             ),
         ));
     }
-    let limits = Limits::default();
-    let scope = tenant.scope();
-    let (model, stream, wants_usage, hashes) = match kind {
+    let checked = match kind {
         Kind::Chat => {
             if let Some(system) = &tenant.system_prompt {
                 inject_system_prompt(&mut json, system);
@@ -215,52 +340,20 @@ fn prepare(gw: &Gateway, p: &Principal, kind: Kind, body: &[u8]) -> Result<Prepa
             // `from_value`.
             let typed = ChatCompletionRequest::deserialize(&json)
                 .map_err(|e| ApiError::from_json_error(&e))?;
-            let input = typed.validate(&limits)?;
-            let hashes = gw
-                .hasher
-                .chat(&scope, &input.messages)
-                .map_err(|e| ApiError::invalid_value("messages", e.to_string()))?;
-            // The engine's own length rule, before the request is charged or forwarded.
-            input
-                .params
-                .max_tokens_for(hashes.prompt_tokens, gw.config.context_tokens())?;
-            (typed.model, input.stream, input.include_usage, hashes)
+            check_chat(gw, p, &typed)?
         }
         Kind::Completion => {
-            let typed = CompletionRequest::parse(body)?;
-            let input = typed.validate(&limits)?;
-            let hashes = match &input.prompt {
-                PromptInput::Text(t) => gw
-                    .hasher
-                    .text(&scope, t)
-                    .map_err(|e| ApiError::invalid_value("prompt", e.to_string()))?,
-                PromptInput::Tokens(t) => gw.hasher.tokens(&scope, t),
-            };
-            input
-                .params
-                .max_tokens_for(hashes.prompt_tokens, gw.config.context_tokens())?;
-            (typed.model, input.stream, input.include_usage, hashes)
+            let typed =
+                CompletionRequest::deserialize(&json).map_err(|e| ApiError::from_json_error(&e))?;
+            check_completion(gw, p, &typed)?
         }
     };
-    if model != gw.config.model_id {
-        return Err(ApiError::model_not_found(&model));
-    }
-    if !tenant.allows_model(&model) {
-        return Err(ApiError::forbidden(format!(
-            "This key may not use the model '{model}'."
-        )));
-    }
-    if stream {
+    if checked.stream {
         // Always ask the engine for the final usage: tokens/min is charged from it.
         json["stream_options"] = serde_json::json!({"include_usage": true});
     }
     let body = serde_json::to_vec(&json).map_err(|e| ApiError::internal(e.to_string()))?;
-    Ok(Prepared {
-        body: Bytes::from(body),
-        hashes,
-        stream,
-        wants_usage,
-    })
+    Ok(checked.prepared(Bytes::from(body)))
 }
 
 /// Bytes of every string in a JSON document: an upper bound on its prompt text, without
@@ -430,7 +523,7 @@ async fn forward(
             .saturating_sub(choice.matched_blocks as usize * block) as u64;
         let mut load = EngineLoad::enter(&engine, prefill);
         let budget = per_attempt.min(left);
-        let result = proxy::attempt(&gw.client, &engine, &fwd, budget).await;
+        let result = proxy::attempt(&crate::upstream::local_client(), &engine, &fwd, budget).await;
         load.started();
         match result {
             proxy::Outcome::Whole {

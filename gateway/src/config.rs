@@ -20,6 +20,7 @@
 //! first_byte_timeout_secs = 120      # one engine's first byte; past it, the next engine is tried
 //! header_timeout_secs = 30           # a client's request head, and its idle keep-alive time
 //! max_connections = 4096             # client connections held at once
+//! api_threads = 0                    # threads serving the tenants' API; 0: one per CPU
 //! stall_timeout_secs = 30            # a client that stops reading its answer is cut off
 //! [routing]
 //! policy = "prefix"                  # prefix | round_robin | least_loaded | consistent_hash
@@ -79,6 +80,10 @@ pub struct GatewayConfig {
     /// Client connections held at once, per listener.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+    /// Threads serving the tenants' API (`kvgate gateway`), each with its own event loop,
+    /// listener and engine connections; 0 is one per CPU.
+    #[serde(default)]
+    pub api_threads: usize,
     /// How long a client may leave its answer unread before its connection is closed (which
     /// cancels the request on the engine).
     #[serde(default = "default_header_timeout")]
@@ -261,6 +266,14 @@ impl GatewayConfig {
     }
 
     /// The bounds on client connections of both listeners.
+    /// The API threads to start: `api_threads`, or one per CPU.
+    pub fn api_threads(&self) -> usize {
+        match self.api_threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
+    }
+
     pub fn serve_limits(&self) -> kvgate_http::ServeLimits {
         kvgate_http::ServeLimits {
             max_connections: self.max_connections,

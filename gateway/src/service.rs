@@ -1,8 +1,8 @@
 //! The tenants' API as a tower stack:
 //! request id -> trace -> body limit -> auth -> (deadline -> rate limit -> route -> proxy).
-//! Each layer is a small `tower::Service`; the last one is [`crate::api`], which owns the
-//! request's deadline (a timeout layer here would race the proxy's own per-engine deadline and
-//! drop an attempt before it could be retried elsewhere).
+//! Each layer is a named `tower::Layer` whose service forwards `poll_ready`; the last one is
+//! [`crate::api`], which owns the request's deadline (a timeout layer here would race the
+//! proxy's own per-engine deadline and drop an attempt before it could be retried elsewhere).
 
 use crate::api;
 use crate::auth::{AuthError, Principal};
@@ -33,37 +33,90 @@ pub fn stack(
     impl Service<Req, Response = Resp, Error = Infallible, Future: Send> + Clone + Send + 'static,
 > {
     let svc = ServiceBuilder::new()
-        .layer(layer(|inner| RequestIdService { inner }))
-        .layer(layer(|inner| TraceService { inner }))
-        .layer(layer({
-            let limit = gw.config.max_body_bytes;
-            move |inner| BodyLimitService { inner, limit }
-        }))
-        .layer(layer({
-            let gw = gw.clone();
-            move |inner| AuthService {
-                inner,
-                gw: gw.clone(),
-            }
-        }))
+        .layer(RequestIdLayer)
+        .layer(TraceLayer)
+        .layer(BodyLimitLayer {
+            limit: gw.config.max_body_bytes,
+        })
+        .layer(AuthLayer { gw: gw.clone() })
         .service(ApiService { gw });
     hyper_util::service::TowerToHyperService::new(svc)
 }
 
-fn layer<S, T>(f: impl Fn(S) -> T + Clone) -> impl Layer<S, Service = T> + Clone {
-    tower::layer::layer_fn(f)
-}
-
-macro_rules! ready_inner {
+/// Each layer's service forwards `poll_ready` to the service it wraps, and calls the instance
+/// that was made ready (a fresh clone stays behind for the next request), so a layer that
+/// applies backpressure (`ConcurrencyLimit`, `LoadShed`) works anywhere in the stack.
+macro_rules! forward_ready {
     () => {
-        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-            Poll::Ready(Ok(()))
+        fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            self.inner.poll_ready(cx)
         }
     };
 }
 
+/// The ready inner service, taken for one call; a clone takes its place.
+fn take_ready<S: Clone>(inner: &mut S) -> S {
+    let fresh = inner.clone();
+    std::mem::replace(inner, fresh)
+}
+
+/// Gives each request its [`RequestId`] and echoes it in the answer's `x-request-id`.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestIdLayer;
+
+impl<S> Layer<S> for RequestIdLayer {
+    type Service = RequestIdService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        RequestIdService { inner }
+    }
+}
+
+/// A `debug` span per request (its id, method and path; tenant and engine once known).
+#[derive(Debug, Clone, Copy)]
+pub struct TraceLayer;
+
+impl<S> Layer<S> for TraceLayer {
+    type Service = TraceService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        TraceService { inner }
+    }
+}
+
+/// Refuses a body declared larger than `limit` (413) and hands the limit to the handler, which
+/// enforces it while reading.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimitLayer {
+    pub limit: usize,
+}
+
+impl<S> Layer<S> for BodyLimitLayer {
+    type Service = BodyLimitService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        BodyLimitService {
+            inner,
+            limit: self.limit,
+        }
+    }
+}
+
+/// Authenticates the API key and attaches the `Arc<Principal>`; 401 otherwise.
 #[derive(Debug, Clone)]
-struct RequestIdService<S> {
+pub struct AuthLayer {
+    pub gw: Arc<Gateway>,
+}
+
+impl<S> Layer<S> for AuthLayer {
+    type Service = AuthService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        AuthService {
+            inner,
+            gw: self.gw.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct RequestIdService<S> {
     inner: S,
 }
 
@@ -86,7 +139,7 @@ where
     type Response = Resp;
     type Error = Infallible;
     type Future = BoxFut;
-    ready_inner!();
+    forward_ready!();
 
     fn call(&mut self, mut req: Req) -> BoxFut {
         let id: Arc<str> = req
@@ -101,7 +154,7 @@ where
             })
             .map_or_else(|| Arc::from(new_request_id()), Arc::from);
         req.extensions_mut().insert(RequestId(id.clone()));
-        let mut inner = self.inner.clone();
+        let mut inner = take_ready(&mut self.inner);
         Box::pin(async move {
             let mut resp = inner.call(req).await?;
             if let Ok(v) = header::HeaderValue::from_str(&id) {
@@ -113,7 +166,7 @@ where
 }
 
 #[derive(Debug, Clone)]
-struct TraceService<S> {
+pub struct TraceService<S> {
     inner: S,
 }
 
@@ -124,7 +177,7 @@ where
     type Response = Resp;
     type Error = Infallible;
     type Future = BoxFut;
-    ready_inner!();
+    forward_ready!();
 
     fn call(&mut self, req: Req) -> BoxFut {
         let id = req
@@ -141,7 +194,7 @@ where
             tenant = tracing::field::Empty,
             engine = tracing::field::Empty,
         );
-        let mut inner = self.inner.clone();
+        let mut inner = take_ready(&mut self.inner);
         let start = Instant::now();
         Box::pin(
             async move {
@@ -159,7 +212,7 @@ where
 }
 
 #[derive(Debug, Clone)]
-struct BodyLimitService<S> {
+pub struct BodyLimitService<S> {
     inner: S,
     limit: usize,
 }
@@ -171,7 +224,7 @@ where
     type Response = Resp;
     type Error = Infallible;
     type Future = BoxFut;
-    ready_inner!();
+    forward_ready!();
 
     fn call(&mut self, mut req: Req) -> BoxFut {
         let declared = req
@@ -184,13 +237,13 @@ where
             return Box::pin(async move { Ok(error_response(&e)) });
         }
         req.extensions_mut().insert(BodyLimit(self.limit));
-        let mut inner = self.inner.clone();
+        let mut inner = take_ready(&mut self.inner);
         Box::pin(async move { inner.call(req).await })
     }
 }
 
 #[derive(Debug, Clone)]
-struct AuthService<S> {
+pub struct AuthService<S> {
     inner: S,
     gw: Arc<Gateway>,
 }
@@ -210,11 +263,11 @@ where
     type Response = Resp;
     type Error = Infallible;
     type Future = BoxFut;
-    ready_inner!();
+    forward_ready!();
 
     fn call(&mut self, mut req: Req) -> BoxFut {
         let gw = self.gw.clone();
-        let mut inner = self.inner.clone();
+        let mut inner = take_ready(&mut self.inner);
         Box::pin(async move {
             if req.uri().path() == "/health" {
                 return inner.call(req).await;
@@ -256,10 +309,54 @@ impl Service<Req> for ApiService {
     type Response = Resp;
     type Error = Infallible;
     type Future = BoxFut;
-    ready_inner!();
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
 
     fn call(&mut self, req: Req) -> BoxFut {
         let gw = self.gw.clone();
         Box::pin(async move { Ok(api::handle(gw, req).await) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    /// A service that is ready only while its gate is open, like a concurrency limit.
+    #[derive(Clone)]
+    struct Gate(Arc<AtomicBool>);
+
+    impl Service<Req> for Gate {
+        type Response = Resp;
+        type Error = Infallible;
+        type Future = BoxFut;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            if self.0.load(Ordering::SeqCst) {
+                Poll::Ready(Ok(()))
+            } else {
+                Poll::Pending
+            }
+        }
+
+        fn call(&mut self, _: Req) -> BoxFut {
+            unreachable!("only readiness is tested")
+        }
+    }
+
+    #[test]
+    fn layers_forward_the_inner_services_readiness() {
+        let open = Arc::new(AtomicBool::new(false));
+        let mut svc = ServiceBuilder::new()
+            .layer(RequestIdLayer)
+            .layer(TraceLayer)
+            .layer(BodyLimitLayer { limit: 16 })
+            .service(Gate(open.clone()));
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(svc.poll_ready(&mut cx).is_pending());
+        open.store(true, Ordering::SeqCst);
+        assert!(svc.poll_ready(&mut cx).is_ready());
     }
 }

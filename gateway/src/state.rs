@@ -29,6 +29,9 @@ pub struct Gateway {
     pub engine_token: Option<Arc<str>>,
     /// Most bytes of prompt text a request may carry (see [`max_prompt_bytes`]).
     pub max_prompt_bytes: usize,
+    /// The runtime the gateway started on, which runs its background work (health checks, KV
+    /// events, store follow-ups such as rate-limit releases) whatever thread a request is on.
+    pub background: tokio::runtime::Handle,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -76,6 +79,7 @@ impl Gateway {
                 block_size: config.block_size,
             }),
             max_prompt_bytes: max_prompt_bytes(&renderer, config.context_tokens()),
+            background: tokio::runtime::Handle::current(),
             hasher: PromptHasher::new(renderer, hasher),
             auth: Auth::new(
                 store.clone(),

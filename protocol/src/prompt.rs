@@ -19,6 +19,7 @@
 //! reference and the fallback for every other tokenizer.
 
 mod quote;
+mod turns;
 
 pub use quote::QUOTE;
 
@@ -30,6 +31,7 @@ use std::borrow::Cow;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
+use turns::TurnTemplate;
 
 /// One chat message, as in the OpenAI API (text content only).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -65,6 +67,8 @@ pub struct PromptRenderer {
     plain: OnceLock<tokenizers::Tokenizer>,
     env: Environment<'static>,
     has_template: bool,
+    /// The chat template as pieces of text, when it is a turn-by-turn template.
+    turns: Option<TurnTemplate>,
     bos_token: Option<String>,
     eos_token: Option<String>,
     add_bos: Option<u32>,
@@ -148,7 +152,7 @@ impl PromptRenderer {
                 )
             }
         };
-        Ok(PromptRenderer {
+        let mut renderer = PromptRenderer {
             has_template: template.is_some(),
             eos_token: token_text(&config, "eos_token"),
             bos_token,
@@ -159,7 +163,28 @@ impl PromptRenderer {
             quoting: Quoting::new(added),
             special_ids,
             plain: OnceLock::new(),
-        })
+            turns: None,
+        };
+        if renderer.has_template {
+            renderer.turns = TurnTemplate::derive(
+                |messages, generation| renderer.render_template(messages, generation).ok(),
+                |text| renderer.quote(text).into_owned(),
+            );
+        }
+        Ok(renderer)
+    }
+
+    /// Whether chat prompts are rendered by concatenation (see [`TurnTemplate`]) rather than by
+    /// running the template.
+    pub fn has_fast_chat(&self) -> bool {
+        self.turns.is_some()
+    }
+
+    /// The same renderer running the chat template for every conversation (for comparisons
+    /// and benchmarks).
+    pub fn without_fast_chat(mut self) -> Self {
+        self.turns = None;
+        self
     }
 
     /// The fast encoder, when this tokenizer is one it reproduces.
@@ -237,6 +262,26 @@ impl PromptRenderer {
     /// when `add_generation_prompt`), in the quoted form: each message's role and content quoted,
     /// so that the template's markers are its only control tokens.
     pub fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, PromptError> {
+        if !self.has_template {
+            return Err(PromptError::NoTemplate);
+        }
+        let fast = self.turns.as_ref().and_then(|t| {
+            t.render(messages, add_generation_prompt, |text| {
+                self.quote(text).into_owned()
+            })
+        });
+        match fast {
+            Some(text) => Ok(text),
+            None => self.render_template(messages, add_generation_prompt),
+        }
+    }
+
+    /// [`PromptRenderer::render_chat`] by running the template.
+    fn render_template(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,

@@ -274,3 +274,58 @@ fn completion_text_keeps_its_control_tokens_unless_quoted() {
         assert!(specials(&quoted).is_empty());
     }
 }
+
+/// SmolLM2's template renders by concatenation, and exactly as the template does on
+/// conversations it was not probed with: random role orders and random contents, special
+/// tokens' spellings and template syntax among them.
+#[test]
+fn the_fast_chat_path_renders_as_the_template_does() {
+    let Some(dir) = smollm2_dir() else { return };
+    let fast = PromptRenderer::from_dir(&dir).unwrap();
+    assert!(fast.has_fast_chat(), "SmolLM2's template is turn by turn");
+    let slow = PromptRenderer::from_dir(&dir).unwrap().without_fast_chat();
+    let words = [
+        "Paris",
+        " ",
+        "\n",
+        "<|im_start|>",
+        "<|im_end|>",
+        "{{ x }}",
+        "{%",
+        "système",
+        "🙂",
+        "assistant",
+        "\t",
+        "</s>",
+        "user\n",
+    ];
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    for _ in 0..500 {
+        let len = 1 + next(8);
+        let messages: Vec<ChatMessage> = (0..len)
+            .map(|i| {
+                let role = match (i, next(7)) {
+                    (0, 0..=2) => "system",
+                    (_, 0) => "tool",
+                    (_, 1..=3) => "user",
+                    _ => "assistant",
+                };
+                let content: String = (0..next(6)).map(|_| words[next(words.len())]).collect();
+                m(role, &content)
+            })
+            .collect();
+        for generation in [false, true] {
+            assert_eq!(
+                fast.render_chat(&messages, generation).unwrap(),
+                slow.render_chat(&messages, generation).unwrap(),
+                "{messages:?}"
+            );
+        }
+    }
+}

@@ -92,13 +92,11 @@ impl Drop for Lease {
         if let Some(r) = self.renewer.take() {
             r.abort();
         }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            // No runtime left (process exit): the lease lapses on its own.
-            return;
-        };
+        // On the gateway's own runtime, which outlives the API threads: a release started as an
+        // API thread stops still runs. (Once that runtime is gone, the lease lapses on its own.)
         let (gw, tenant, id) = (self.gw.clone(), self.tenant.clone(), self.id.clone());
         let (limits, owed) = (self.limits, self.owed);
-        rt.spawn(async move {
+        self.gw.background.spawn(async move {
             if let Err(e) = gw.store.release(&tenant, limits, &id, owed).await {
                 gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %e, "rate-limit release failed; the lease will lapse");

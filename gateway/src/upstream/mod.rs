@@ -20,6 +20,16 @@ use tokio::sync::watch;
 /// The pooled upstream client (HTTP/1.1, TCP_NODELAY).
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
+/// This thread's client to engines (a pool of kept-alive connections per thread). On the
+/// gateway's API threads, each a single-threaded event loop, a request and its engine
+/// connection are then served by the same thread: no wake-up crosses threads.
+pub fn local_client() -> HttpClient {
+    thread_local! {
+        static CLIENT: HttpClient = http_client();
+    }
+    CLIENT.with(Clone::clone)
+}
+
 pub fn http_client() -> HttpClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
