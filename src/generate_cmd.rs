@@ -1,13 +1,16 @@
-//! `kvgate generate`: one prompt through the real engine path (block manager, paged attention).
+//! `kvgate generate`: one prompt through the engine a server runs (the same scheduler, worker,
+//! block manager, paged attention and sampler), so the command line and the server give the same
+//! answer to the same request and seed.
 
 use crate::model_cmd;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
-use kvgate_engine::kv::{KvCacheManager, KvConfig};
-use kvgate_engine::model::{GenerateOptions, Generator, Llama, LoadOptions, ModelConfig};
-use kvgate_kernels::{Backend, Cpu, DType};
-use kvgate_protocol::prompt::{ChatMessage, PromptRenderer};
-use kvgate_protocol::{BlockHasher, HashParams};
+use kvgate_engine::scheduler::GroupId;
+use kvgate_engine::server::config::{EngineConfig, KvSection, WeightDType};
+use kvgate_engine::server::launch;
+use kvgate_engine::worker::{Command, Event, Submit, EVENT_BUFFER};
+use kvgate_protocol::openai::SamplingParams;
+use kvgate_protocol::prompt::ChatMessage;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -18,12 +21,12 @@ pub enum DTypeArg {
     Bf16,
 }
 
-impl From<DTypeArg> for DType {
-    fn from(d: DTypeArg) -> DType {
+impl From<DTypeArg> for WeightDType {
+    fn from(d: DTypeArg) -> WeightDType {
         match d {
-            DTypeArg::F32 => DType::F32,
-            DTypeArg::F16 => DType::F16,
-            DTypeArg::Bf16 => DType::BF16,
+            DTypeArg::F32 => WeightDType::F32,
+            DTypeArg::F16 => WeightDType::F16,
+            DTypeArg::Bf16 => WeightDType::Bf16,
         }
     }
 }
@@ -39,7 +42,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     chat: bool,
     #[arg(long, default_value_t = 128)]
-    max_tokens: usize,
+    max_tokens: u32,
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
@@ -59,20 +62,10 @@ pub struct GenerateArgs {
     ids: bool,
 }
 
-/// Where `--device` runs the model, checked before the model is fetched or loaded.
-enum Device {
-    Cpu,
-    #[cfg(feature = "cuda")]
-    Cuda(usize),
-}
-
-fn parse_device(device: &str) -> Result<Device> {
-    if device == "cpu" {
-        return Ok(Device::Cpu);
-    }
-    #[cfg(feature = "cuda")]
-    if let Some(ordinal) = kvgate_engine::server::config::cuda_ordinal(device) {
-        return Ok(Device::Cuda(ordinal));
+/// `--device`, checked before the model is fetched or loaded.
+fn check_device(device: &str) -> Result<()> {
+    if device == "cpu" || kvgate_engine::server::config::cuda_ordinal(device).is_some() {
+        return Ok(());
     }
     if device.starts_with("cuda") && !cfg!(feature = "cuda") {
         anyhow::bail!(
@@ -83,94 +76,76 @@ fn parse_device(device: &str) -> Result<Device> {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
-    let device = parse_device(&args.device)?;
+    check_device(&args.device)?;
     let dir = model_cmd::resolve(args.model.as_deref())?;
-    let config = ModelConfig::load(&dir)?;
-    let renderer = PromptRenderer::from_dir(&dir)?;
+    let config = EngineConfig {
+        model: Some(dir.clone()),
+        device: args.device.clone(),
+        dtype: args.dtype.into(),
+        kv: KvSection {
+            blocks: Some(args.kv_blocks),
+            ..KvSection::default()
+        },
+        ..EngineConfig::default()
+    };
+    let engine = launch::start(&config, &dir)
+        .with_context(|| format!("loading {} on {}", dir.display(), args.device))?;
+    if args.device != "cpu" {
+        eprintln!("device: {}", engine.device);
+    }
     let prompt = if args.chat {
-        renderer.encode_chat(&[ChatMessage {
+        engine.renderer.encode_chat(&[ChatMessage {
             role: "user".into(),
             content: args.prompt.clone(),
         }])?
     } else {
-        renderer.encode(&args.prompt)?
+        engine.renderer.encode(&args.prompt)?
     };
-    match device {
-        Device::Cpu => generate_on(Cpu::new(), &args, &dir, &config, &renderer, &prompt),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(ordinal) => {
-            let cuda = kvgate_kernels::Cuda::new(ordinal)
-                .with_context(|| format!("opening {}", args.device))?;
-            eprintln!("device: {} ({})", cuda.device_name(), cuda.arch());
-            generate_on(cuda, &args, &dir, &config, &renderer, &prompt)
-        }
-    }
-}
-
-/// Generates from `prompt` on `backend`, printing the text as it grows.
-fn generate_on<B: Backend>(
-    backend: B,
-    args: &GenerateArgs,
-    dir: &std::path::Path,
-    config: &ModelConfig,
-    renderer: &PromptRenderer,
-    prompt: &[u32],
-) -> Result<()> {
-    let block_size = 16;
-    let model = Llama::load(
-        backend,
-        dir,
-        LoadOptions {
-            dtype: args.dtype.into(),
-            kv_dtype: DType::F32,
-            num_blocks: args.kv_blocks as usize,
-            num_host_blocks: 0,
-            block_size,
-        },
-    )
-    .with_context(|| format!("loading {}", dir.display()))?;
-    let hasher = BlockHasher::new(&HashParams {
-        model_id: dir
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("model")
-            .to_owned(),
-        weight_version: "local".into(),
-        kv_dtype: "f32".into(),
-        block_size: block_size as u32,
-        seed: [0; 32],
-    });
-    let kv = KvCacheManager::new(KvConfig {
-        num_blocks: args.kv_blocks,
-        num_host_blocks: 0,
-        hasher,
-    });
-    let mut eos = config.eos_token_ids.clone();
-    eos.extend(renderer.eos_token_id());
-    let mut generator = Generator::new(model, kv);
-    let opts = GenerateOptions {
-        max_tokens: args.max_tokens,
+    let params = SamplingParams {
         temperature: args.temperature,
-        seed: args.seed,
+        seed: Some(args.seed),
+        max_tokens: Some(args.max_tokens),
+        // Each output token's id comes back with its logprob (for --ids).
+        logprobs: Some(0),
+        ..SamplingParams::default()
     };
+    let max_tokens = params.max_tokens_for(prompt.len(), engine.context_len)?;
+    let (events, mut rx) = tokio::sync::mpsc::channel(EVENT_BUFFER + 2);
+    let (on_stall, _stalled) = tokio::sync::oneshot::channel();
+    engine
+        .commands
+        .send(Command::Submit(
+            GroupId(1),
+            Box::new(Submit {
+                tenant: "cli".into(),
+                scope: String::new(),
+                priority: 0.0,
+                kv_quota: None,
+                prompt: prompt.clone(),
+                params,
+                max_tokens,
+                events,
+                on_stall,
+            }),
+        ))
+        .map_err(|_| anyhow::anyhow!("the engine thread is not running"))?;
     let mut stdout = std::io::stdout();
-    let mut shown = String::new();
     let mut ids = Vec::new();
-    let out = generator.generate(prompt, &eos, opts, |t| {
-        ids.push(t);
-        // Print the text as it grows (decoding the whole tail keeps multi-byte characters whole).
-        if let Ok(text) = renderer.decode(&ids) {
-            if let Some(new) = text.strip_prefix(shown.as_str()) {
-                let _ = write!(stdout, "{new}");
+    while let Some(event) = rx.blocking_recv() {
+        match event {
+            Event::Piece { text, logprobs, .. } => {
+                ids.extend(logprobs.iter().map(|(id, _)| *id));
+                let _ = write!(stdout, "{text}");
                 let _ = stdout.flush();
             }
-            shown = text;
+            Event::Done { .. } => break,
+            Event::Failed(e) => anyhow::bail!("{}", e.message),
         }
-    })?;
+    }
     println!();
     if args.ids {
         println!("prompt_ids: {prompt:?}");
-        println!("output_ids: {:?}", out.tokens);
+        println!("output_ids: {ids:?}");
     }
     Ok(())
 }

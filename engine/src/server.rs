@@ -31,6 +31,8 @@ use tokio::sync::broadcast;
 /// Everything the handlers share.
 #[derive(Debug)]
 pub struct ServerState {
+    /// What the model runs on: `cpu`, or the GPU's name and architecture.
+    pub device: String,
     pub model_id: String,
     pub context_len: usize,
     pub vocab_size: usize,

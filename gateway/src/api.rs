@@ -27,7 +27,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use kvgate_http::{error_response, json_response, ok_json, RespBody};
 use kvgate_protocol::openai::{
     strip_client_scope, ApiError, ChatCompletionRequest, CompletionRequest, ErrorCode, Limits,
-    ModelCard, ModelList, PromptInput, CLIENT_SCOPE_FIELDS,
+    ModelCard, ModelList, PromptInput, SamplingParams, CLIENT_SCOPE_FIELDS,
 };
 use serde::Deserialize;
 use std::sync::atomic::Ordering;
@@ -251,16 +251,8 @@ fn check_chat(
         .hasher
         .chat(&p.tenant.scope(), &input.messages)
         .map_err(|e| ApiError::invalid_value("messages", e.to_string()))?;
-    // The engine's own length rule, before the request is charged or forwarded.
-    input
-        .params
-        .max_tokens_for(hashes.prompt_tokens, gw.config.context_tokens())?;
-    check_model(gw, p, &typed.model)?;
-    Ok(Checked {
-        stream: input.stream,
-        wants_usage: input.include_usage,
-        hashes,
-    })
+    let (stream, usage) = (input.stream, input.include_usage);
+    checked(gw, p, &typed.model, &input.params, hashes, stream, usage)
 }
 
 /// A completion request validated, its model checked, its prompt hashed.
@@ -278,13 +270,26 @@ fn check_completion(
             .map_err(|e| ApiError::invalid_value("prompt", e.to_string()))?,
         PromptInput::Tokens(t) => gw.hasher.tokens(&scope, t),
     };
-    input
-        .params
-        .max_tokens_for(hashes.prompt_tokens, gw.config.context_tokens())?;
-    check_model(gw, p, &typed.model)?;
+    let (stream, usage) = (input.stream, input.include_usage);
+    checked(gw, p, &typed.model, &input.params, hashes, stream, usage)
+}
+
+/// The checks both kinds share once the prompt is hashed: the engine's own length rule (before
+/// the request is charged or forwarded) and the model.
+fn checked(
+    gw: &Gateway,
+    p: &Principal,
+    model: &str,
+    params: &SamplingParams,
+    hashes: PromptHashes,
+    stream: bool,
+    wants_usage: bool,
+) -> Result<Checked, ApiError> {
+    params.max_tokens_for(hashes.prompt_tokens, gw.config.context_tokens())?;
+    check_model(gw, p, model)?;
     Ok(Checked {
-        stream: input.stream,
-        wants_usage: input.include_usage,
+        stream,
+        wants_usage,
         hashes,
     })
 }

@@ -101,7 +101,7 @@ pub struct GatewayConfig {
 #[serde(deny_unknown_fields)]
 pub struct RoutingSection {
     #[serde(default = "default_policy")]
-    pub policy: String,
+    pub policy: crate::routing::Policy,
     #[serde(default = "default_alpha")]
     pub alpha: f64,
     #[serde(default = "default_kv_weight")]
@@ -150,8 +150,8 @@ fn default_max_connections() -> usize {
 fn default_key_ttl() -> u64 {
     30
 }
-fn default_policy() -> String {
-    "prefix".into()
+fn default_policy() -> crate::routing::Policy {
+    crate::routing::Policy::Prefix
 }
 fn default_alpha() -> f64 {
     1.0
@@ -213,14 +213,6 @@ impl GatewayConfig {
         }
         if let Some(seed) = &self.hash_seed {
             parse_seed(seed)?;
-        }
-        if !["prefix", "round_robin", "least_loaded", "consistent_hash"]
-            .contains(&self.routing.policy.as_str())
-        {
-            return Err(format!(
-                "routing.policy: {:?} (expected prefix, round_robin, least_loaded or consistent_hash)",
-                self.routing.policy
-            ));
         }
         if !(self.routing.alpha >= 0.0 && self.routing.alpha.is_finite()) {
             return Err("routing.alpha: must be a finite number >= 0".into());
@@ -342,7 +334,8 @@ pub fn redact_url(url: &str) -> String {
 }
 
 fn parse_seed(s: &str) -> Result<[u8; 32], String> {
-    crate::tenant::hex32::decode(s).ok_or_else(|| "hash_seed: expected 64 hex digits".to_owned())
+    kvgate_protocol::parse_hash_seed(s)
+        .ok_or_else(|| "hash_seed (KVGATE_HASH_SEED): expected 64 hex digits".to_owned())
 }
 
 #[cfg(test)]
@@ -352,11 +345,11 @@ mod tests {
     #[test]
     fn defaults_env_and_errors_name_the_field() {
         let c = GatewayConfig::parse("").unwrap();
-        assert_eq!(c.routing.policy, "prefix");
+        assert_eq!(c.routing.policy, crate::routing::Policy::Prefix);
         assert_eq!(c.block_size, 16);
         for (text, field) in [
             ("listen = \"x\"", "listen"),
-            ("[routing]\npolicy = \"random\"", "routing.policy"),
+            ("[routing]\npolicy = \"random\"", "expected one of `prefix`"),
             ("hash_seed = \"abc\"", "hash_seed"),
             ("pepper = \"short\"", "pepper"),
             ("[[engines]]\nname = \"e\"\nurl = \"ftp://x\"", "engines[0]"),

@@ -6,7 +6,7 @@ use crate::auth::Auth;
 use crate::config::GatewayConfig;
 use crate::metrics::Metrics;
 use crate::routing::prefix::PromptHasher;
-use crate::routing::{Policy, Router, RouterConfig};
+use crate::routing::{Router, RouterConfig};
 use crate::store::{Store, StoreError};
 use crate::tenant::{generate_key, generate_key_id, unix_now, EngineRecord, KeyRecord};
 use crate::upstream::{self, events, health, Engine, HttpClient, Registry, RegistryError};
@@ -69,8 +69,7 @@ impl Gateway {
                  headers of an unauthenticated gateway, so every tenant shares one cache scope"
             );
         }
-        let policy = Policy::parse(&config.routing.policy)
-            .ok_or_else(|| StartError::Config("routing.policy".into()))?;
+        let policy = config.routing.policy;
         let gw = Arc::new(Gateway {
             router: Router::new(RouterConfig {
                 policy,

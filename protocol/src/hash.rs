@@ -84,6 +84,22 @@ impl<'de> Deserialize<'de> for BlockHash {
     }
 }
 
+/// The deployment's hash seed as written in `engine.toml`, `gateway.toml` or
+/// `KVGATE_HASH_SEED`: 64 hex digits, read byte by byte (the text may be anything from the
+/// environment, non-ASCII included, so it is never sliced as a string). `None` when malformed.
+pub fn parse_hash_seed(text: &str) -> Option<[u8; 32]> {
+    let digits = text.as_bytes();
+    if digits.len() != 64 {
+        return None;
+    }
+    let nibble = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    let mut out = [0u8; 32];
+    for (b, pair) in out.iter_mut().zip(digits.chunks_exact(2)) {
+        *b = (nibble(pair[0])? << 4) | nibble(pair[1])?;
+    }
+    Some(out)
+}
+
 /// What identifies a KV cache's contents: two engines share keys only when all of these match.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HashParams {

@@ -17,4 +17,4 @@ pub mod openai;
 pub mod prompt;
 
 pub use events::{KvEvent, KvEventRecord};
-pub use hash::{BlockHash, BlockHasher, Chain, HashParams};
+pub use hash::{parse_hash_seed, BlockHash, BlockHasher, Chain, HashParams};

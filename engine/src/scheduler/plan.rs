@@ -3,9 +3,11 @@
 use super::sequence::GroupId;
 use crate::kv::{BlockId, HostBlockId, SeqId};
 
-/// How a group was preempted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How a group was preempted (and `scheduler.preemption` in `engine.toml`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum PreemptMode {
+    #[default]
     Recompute,
     Swap,
 }

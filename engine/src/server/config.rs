@@ -35,8 +35,30 @@
 //! `stalled_client_timeout_ms = 30000` (a stream whose client has not read for this long is
 //! cancelled and its KV blocks freed).
 
+pub use crate::scheduler::PreemptMode;
+use kvgate_kernels::DType;
 use serde::Deserialize;
 use std::path::PathBuf;
+
+/// The weights' type in memory (`dtype`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightDType {
+    #[default]
+    F32,
+    F16,
+    Bf16,
+}
+
+impl From<WeightDType> for DType {
+    fn from(d: WeightDType) -> DType {
+        match d {
+            WeightDType::F32 => DType::F32,
+            WeightDType::F16 => DType::F16,
+            WeightDType::Bf16 => DType::BF16,
+        }
+    }
+}
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -49,8 +71,8 @@ pub struct EngineConfig {
     pub model_id: Option<String>,
     #[serde(default = "default_device")]
     pub device: String,
-    #[serde(default = "default_dtype")]
-    pub dtype: String,
+    #[serde(default)]
+    pub dtype: WeightDType,
     #[serde(default)]
     pub kv: KvSection,
     #[serde(default)]
@@ -94,8 +116,8 @@ pub struct SchedulerSection {
     pub max_batched_tokens: usize,
     #[serde(default = "default_max_seqs")]
     pub max_seqs: usize,
-    #[serde(default = "default_preemption")]
-    pub preemption: String,
+    #[serde(default)]
+    pub preemption: PreemptMode,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -111,9 +133,6 @@ fn default_listen() -> String {
 fn default_device() -> String {
     "cpu".into()
 }
-fn default_dtype() -> String {
-    "f32".into()
-}
 fn default_gpu_memory_fraction() -> f64 {
     0.9
 }
@@ -125,9 +144,6 @@ fn default_batched_tokens() -> usize {
 }
 fn default_max_seqs() -> usize {
     64
-}
-fn default_preemption() -> String {
-    "recompute".into()
 }
 fn default_body_limit() -> usize {
     4 << 20
@@ -154,7 +170,7 @@ impl Default for SchedulerSection {
         SchedulerSection {
             max_batched_tokens: default_batched_tokens(),
             max_seqs: default_max_seqs(),
-            preemption: default_preemption(),
+            preemption: PreemptMode::default(),
         }
     }
 }
@@ -207,12 +223,6 @@ impl EngineConfig {
         if !(self.kv.gpu_memory_fraction > 0.0 && self.kv.gpu_memory_fraction <= 1.0) {
             return Err("kv.gpu_memory_fraction: must be in (0, 1]".into());
         }
-        if !["f32", "f16", "bf16"].contains(&self.dtype.as_str()) {
-            return Err(format!(
-                "dtype: {:?} (expected f32, f16 or bf16)",
-                self.dtype
-            ));
-        }
         if !(1..=256).contains(&self.kv.block_size) {
             return Err("kv.block_size: must be 1 to 256".into());
         }
@@ -221,12 +231,6 @@ impl EngineConfig {
         }
         if self.scheduler.max_batched_tokens == 0 || self.scheduler.max_seqs == 0 {
             return Err("scheduler.max_batched_tokens and max_seqs: must be positive".into());
-        }
-        if !["recompute", "swap"].contains(&self.scheduler.preemption.as_str()) {
-            return Err(format!(
-                "scheduler.preemption: {:?} (expected recompute or swap)",
-                self.scheduler.preemption
-            ));
         }
         if let Some(seed) = &self.kv.hash_seed {
             parse_seed(seed)?;
@@ -278,23 +282,9 @@ pub fn cuda_ordinal(device: &str) -> Option<usize> {
     }
 }
 
-/// 64 hex digits, byte by byte: the text may be anything from the environment (non-ASCII, a
-/// sign), so it is never sliced as a string.
 fn parse_seed(s: &str) -> Result<[u8; 32], String> {
-    let err = || "kv.hash_seed (KVGATE_HASH_SEED): expected 64 hex digits".to_owned();
-    let digits = s.as_bytes();
-    if digits.len() != 64 {
-        return Err(err());
-    }
-    let nibble = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
-    let mut out = [0u8; 32];
-    for (b, pair) in out.iter_mut().zip(digits.chunks_exact(2)) {
-        let (Some(hi), Some(lo)) = (nibble(pair[0]), nibble(pair[1])) else {
-            return Err(err());
-        };
-        *b = (hi << 4) | lo;
-    }
-    Ok(out)
+    kvgate_protocol::parse_hash_seed(s)
+        .ok_or_else(|| "kv.hash_seed (KVGATE_HASH_SEED): expected 64 hex digits".to_owned())
 }
 
 #[cfg(test)]
@@ -305,11 +295,16 @@ mod tests {
     fn defaults_and_errors_name_the_field() {
         let c = EngineConfig::parse("").unwrap();
         assert_eq!(c.kv.block_size, 16);
-        assert_eq!(c.scheduler.preemption, "recompute");
+        assert_eq!(c.scheduler.preemption, PreemptMode::Recompute);
+        assert_eq!(c.dtype, WeightDType::F32);
         for (text, field) in [
             ("device = \"tpu\"", "device"),
             ("[kv]\nblock_size = 0", "kv.block_size"),
-            ("[scheduler]\npreemption = \"drop\"", "scheduler.preemption"),
+            (
+                "[scheduler]\npreemption = \"drop\"",
+                "expected `recompute` or `swap`",
+            ),
+            ("dtype = \"f8\"", "expected one of `f32`, `f16`, `bf16`"),
             ("[kv]\nhash_seed = \"abc\"", "kv.hash_seed"),
             ("listen = \"nowhere\"", "listen"),
             ("bogus = 1", "bogus"),

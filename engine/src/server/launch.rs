@@ -6,7 +6,7 @@ use super::metrics::Metrics;
 use super::ServerState;
 use crate::kv::{KvCacheManager, KvConfig};
 use crate::model::{Llama, LoadOptions, ModelConfig, ModelError};
-use crate::scheduler::{PreemptMode, Scheduler, SchedulerConfig};
+use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::worker::{EngineThread, Worker, DEFAULT_STALL_AFTER};
 use kvgate_kernels::{Backend, Cpu, DType};
 use kvgate_protocol::openai::{Limits, SamplingDefaults};
@@ -32,14 +32,6 @@ pub enum LaunchError {
     Device(String),
 }
 
-fn dtype(name: &str) -> DType {
-    match name {
-        "f16" => DType::F16,
-        "bf16" => DType::BF16,
-        _ => DType::F32,
-    }
-}
-
 /// Loads the model in `dir` and starts the engine thread; returns the shared server state (the
 /// caller binds a listener and calls [`super::run`]).
 pub fn start(config: &EngineConfig, dir: &Path) -> Result<Arc<ServerState>, LaunchError> {
@@ -56,13 +48,16 @@ pub fn start(config: &EngineConfig, dir: &Path) -> Result<Arc<ServerState>, Laun
     if let Some(ordinal) = super::config::cuda_ordinal(&config.device) {
         return cuda::start(config, dir, ordinal);
     }
-    start_on(Cpu::new(), config, dir, DType::F32, |_, _| Ok(2048))
+    start_on(Cpu::new(), "cpu".into(), config, dir, DType::F32, |_, _| {
+        Ok(2048)
+    })
 }
 
 /// Starts the engine on `backend` with a KV pool of `kv_dtype`; `default_blocks(bytes per block,
 /// model)` sizes the pool when the config gives neither `kv.blocks` nor `kv.bytes`.
 fn start_on<B: Backend + 'static>(
     backend: B,
+    device: String,
     config: &EngineConfig,
     dir: &Path,
     kv_dtype: DType,
@@ -70,7 +65,7 @@ fn start_on<B: Backend + 'static>(
 ) -> Result<Arc<ServerState>, LaunchError> {
     let model_config = ModelConfig::load(dir)?;
     let renderer = Arc::new(PromptRenderer::from_dir(dir)?);
-    let wdtype = dtype(&config.dtype);
+    let wdtype = DType::from(config.dtype);
     let block_size = config.kv.block_size as usize;
     let per_block = 2
         * model_config.num_layers
@@ -116,11 +111,7 @@ fn start_on<B: Backend + 'static>(
         SchedulerConfig {
             max_batched_tokens: config.scheduler.max_batched_tokens,
             max_seqs: config.scheduler.max_seqs,
-            preempt_mode: if config.scheduler.preemption == "swap" {
-                PreemptMode::Swap
-            } else {
-                PreemptMode::Recompute
-            },
+            preempt_mode: config.scheduler.preemption,
         },
         kv,
     );
@@ -148,6 +139,7 @@ fn start_on<B: Backend + 'static>(
     let engine = EngineThread::spawn(DEFAULT_STALL_AFTER, move |beat| worker.run(rx, beat))
         .map_err(LaunchError::Thread)?;
     Ok(Arc::new(ServerState {
+        device,
         model_id,
         context_len: model_config.max_position_embeddings,
         vocab_size: model_config.vocab_size,
@@ -192,7 +184,7 @@ fn sampling_defaults(config: &EngineConfig, dir: &Path) -> Result<SamplingDefaul
 /// The CUDA engine: KV in the weights' storage type, the pool sized from free GPU memory.
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::{dtype, start_on, EngineConfig, LaunchError, ModelConfig, ServerState};
+    use super::{start_on, EngineConfig, LaunchError, ModelConfig, ServerState};
     use kvgate_kernels::{Cuda, DType};
     use std::path::Path;
     use std::sync::Arc;
@@ -206,7 +198,7 @@ mod cuda {
         let (free, _) = cuda
             .mem_info()
             .map_err(|e| LaunchError::Device(e.to_string()))?;
-        let wdtype = dtype(&config.dtype);
+        let wdtype = DType::from(config.dtype);
         let fraction = config.kv.gpu_memory_fraction;
         let block_size = config.kv.block_size as usize;
         let tokens = config.scheduler.max_batched_tokens;
@@ -217,7 +209,8 @@ mod cuda {
             free_bytes = free,
             "cuda"
         );
-        start_on(cuda, config, dir, wdtype, move |per_block, m| {
+        let device = format!("{} ({})", cuda.device_name(), cuda.arch());
+        start_on(cuda, device, config, dir, wdtype, move |per_block, m| {
             if !matches!(m.head_dim, 64 | 128) || !matches!(block_size, 16 | 32) {
                 return Err(LaunchError::Config(format!(
                     "device cuda: head_dim {} / kv.block_size {block_size} (the CUDA kernels \

@@ -18,8 +18,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-/// Which policy routes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which policy routes (`routing.policy` in `gateway.toml`, by [`Policy::name`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Policy {
     Prefix,
     RoundRobin,
@@ -28,14 +29,15 @@ pub enum Policy {
 }
 
 impl Policy {
+    pub const ALL: [Policy; 4] = [
+        Policy::Prefix,
+        Policy::RoundRobin,
+        Policy::LeastLoaded,
+        Policy::ConsistentHash,
+    ];
+
     pub fn parse(name: &str) -> Option<Policy> {
-        Some(match name {
-            "prefix" => Policy::Prefix,
-            "round_robin" => Policy::RoundRobin,
-            "least_loaded" => Policy::LeastLoaded,
-            "consistent_hash" => Policy::ConsistentHash,
-            _ => return None,
-        })
+        Policy::ALL.into_iter().find(|p| p.name() == name)
     }
 
     pub fn name(self) -> &'static str {
