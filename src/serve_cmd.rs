@@ -149,7 +149,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         let gw = Gateway::start(config, Arc::new(MemoryStore::new()), renderer).await?;
         gw.store.put_tenant(&Tenant::new("default")).await?;
         let (key, _) = gw.issue_key("default").await?;
-        gw.metrics.also_export(move || engine_metrics.render());
+        gw.metrics
+            .also_export(move || kvgate_engine::server::metrics::render(&engine_metrics));
         let banner = move |api, admin| banner(api, admin, &key, &operator_token);
         gateway_cmd::serve_gateway(gw, Some(banner)).await?;
         let _ = stop_engine.send(());

@@ -13,6 +13,7 @@ pub mod http;
 pub mod launch;
 pub mod metrics;
 
+use crate::stats::Stats;
 use crate::worker::{Command, EngineThread};
 use http::{error_response, RespBody};
 use hyper::body::Incoming;
@@ -21,7 +22,6 @@ use hyper::{Method, Request, Response};
 use kvgate_protocol::openai::{ApiError, Limits};
 use kvgate_protocol::prompt::PromptRenderer;
 use kvgate_protocol::KvEventRecord;
-use metrics::Metrics;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
@@ -40,7 +40,7 @@ pub struct ServerState {
     pub commands: mpsc::Sender<Command>,
     /// The engine thread behind `commands`, for `/health`.
     pub engine: EngineThread,
-    pub metrics: Arc<Metrics>,
+    pub metrics: Arc<Stats>,
     pub kv_events: broadcast::Sender<KvEventRecord>,
     pub limits: Limits,
     pub max_body_bytes: usize,
@@ -96,7 +96,7 @@ async fn route(
         (Method::GET, "/health/live") => admin::liveness(&state),
         (Method::GET, "/metrics") => http::text_response(
             "text/plain; version=0.0.4; charset=utf-8",
-            state.metrics.render(),
+            metrics::render(&state.metrics),
         ),
         (Method::GET, "/v1/models") => api::models(&state, &req),
         (Method::POST, "/v1/completions") => api::completions(state, req).await,

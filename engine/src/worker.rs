@@ -20,7 +20,7 @@ use crate::sampling::{Sampler, StopChecker, StopMatch, TokenLogprobs, Workspace}
 use crate::scheduler::{
     FinishReason as SchedFinish, GroupId, NewGroup, Scheduler, StepItem, StepPlan, TenantId,
 };
-use crate::server::metrics::Metrics;
+use crate::stats::Stats;
 use detok::Detokenizer;
 use kvgate_kernels::{AttnSeq, Backend};
 use kvgate_protocol::openai::{ApiError, ErrorCode, FinishReason, SamplingParams};
@@ -133,7 +133,7 @@ pub struct Worker<B: Backend> {
     eos: Vec<u32>,
     requests: HashMap<GroupId, Request>,
     tenants: HashMap<String, TenantId>,
-    metrics: Arc<Metrics>,
+    metrics: Arc<Stats>,
     kv_events: broadcast::Sender<KvEventRecord>,
     ws: Workspace,
     stall_timeout: Duration,
@@ -153,7 +153,7 @@ impl<B: Backend> Worker<B> {
         model: Llama<B>,
         renderer: Arc<PromptRenderer>,
         eos: Vec<u32>,
-        metrics: Arc<Metrics>,
+        metrics: Arc<Stats>,
         kv_events: broadcast::Sender<KvEventRecord>,
     ) -> Self {
         Worker {

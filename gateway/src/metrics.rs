@@ -7,47 +7,7 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-/// A histogram with fixed upper bounds.
-#[derive(Debug)]
-pub struct Histogram {
-    bounds: &'static [f64],
-    counts: Vec<AtomicU64>,
-    sum_micros: AtomicU64,
-    count: AtomicU64,
-}
-
-impl Histogram {
-    fn new(bounds: &'static [f64]) -> Self {
-        Histogram {
-            bounds,
-            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
-            sum_micros: AtomicU64::new(0),
-            count: AtomicU64::new(0),
-        }
-    }
-
-    pub fn observe(&self, v: f64) {
-        if let Some(i) = self.bounds.iter().position(|b| v <= *b) {
-            self.counts[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.sum_micros
-            .fetch_add((v.max(0.0) * 1e6) as u64, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cum = 0;
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            cum += c.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cum}");
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
-        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
-    }
-}
+pub use kvgate_http::metrics::Histogram;
 
 const LATENCY: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,

@@ -2,6 +2,8 @@
 //! SSE and error responses, bounded body reads, bearer-token checks, and the bounded HTTP/1.1
 //! server loop (`serve`).
 
+pub mod metrics;
+
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Body, Frame, Incoming};

@@ -2,11 +2,11 @@
 //! listener. Used by `kvgate engine`, `kvgate serve` and the tests (which bind `127.0.0.1:0`).
 
 use super::config::EngineConfig;
-use super::metrics::Metrics;
 use super::ServerState;
 use crate::kv::{KvCacheManager, KvConfig};
 use crate::model::{Llama, LoadOptions, ModelConfig, ModelError};
 use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::stats::Stats;
 use crate::worker::{EngineThread, Worker, DEFAULT_STALL_AFTER};
 use kvgate_kernels::{Backend, Cpu, DType};
 use kvgate_protocol::openai::{Limits, SamplingDefaults};
@@ -115,7 +115,7 @@ fn start_on<B: Backend + 'static>(
         },
         kv,
     );
-    let metrics = Arc::new(Metrics::new(
+    let metrics = Arc::new(Stats::new(
         &model_id,
         &config.device,
         block_size,

@@ -1,0 +1,104 @@
+//! What the engine thread publishes about itself: KV blocks by state, prefix-cache lookups and
+//! hits, evictions, copy-on-write copies, preemptions, swaps, queue lengths, tokens and latency
+//! histograms. The worker updates it once per step and as tokens go out; the server renders it
+//! as Prometheus metrics (`server::metrics`). Labels are bounded: states and modes are fixed
+//! enums, tenants are the ids the gateway sends (configured tenants).
+
+use kvgate_http::metrics::Histogram;
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+const DURATION_BUCKETS: &[f64] = &[
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+const TOKEN_BUCKETS: &[f64] = &[
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0,
+];
+
+/// The engine's statistics.
+#[derive(Debug)]
+pub struct EngineStats {
+    pub blocks_used: u64,
+    pub blocks_cached: u64,
+    pub blocks_free: u64,
+    pub blocks_capacity: u64,
+    pub filled_slots: u64,
+    pub block_size: u64,
+    pub queried_tokens: BTreeMap<String, u64>,
+    pub hit_tokens: BTreeMap<String, u64>,
+    pub evicted_blocks: u64,
+    pub cow_copies: u64,
+    pub preemptions_recompute: u64,
+    pub preemptions_swap: u64,
+    pub swapped_out_blocks: u64,
+    pub swapped_in_blocks: u64,
+    pub running: u64,
+    pub waiting: u64,
+    pub swapped: u64,
+    pub tenant_blocks: BTreeMap<String, u64>,
+    /// KV block quota per tenant (tenants with a quota only).
+    pub tenant_quota: BTreeMap<String, u64>,
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+    /// Streams cancelled because their client stopped reading.
+    pub stalled_clients: u64,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub request_duration: Histogram,
+    pub batch_tokens: Histogram,
+    pub model: String,
+    pub device: String,
+}
+
+/// Shared between the engine thread (writer) and the HTTP handlers (readers).
+#[derive(Debug)]
+pub struct Stats {
+    state: Mutex<EngineStats>,
+}
+
+impl Stats {
+    pub fn new(model: &str, device: &str, block_size: usize, capacity: usize) -> Self {
+        Stats {
+            state: Mutex::new(EngineStats {
+                blocks_used: 0,
+                blocks_cached: 0,
+                blocks_free: capacity as u64,
+                blocks_capacity: capacity as u64,
+                filled_slots: 0,
+                block_size: block_size as u64,
+                queried_tokens: BTreeMap::new(),
+                hit_tokens: BTreeMap::new(),
+                evicted_blocks: 0,
+                cow_copies: 0,
+                preemptions_recompute: 0,
+                preemptions_swap: 0,
+                swapped_out_blocks: 0,
+                swapped_in_blocks: 0,
+                running: 0,
+                waiting: 0,
+                swapped: 0,
+                tenant_blocks: BTreeMap::new(),
+                tenant_quota: BTreeMap::new(),
+                prompt_tokens: 0,
+                generation_tokens: 0,
+                stalled_clients: 0,
+                ttft: Histogram::new(LATENCY_BUCKETS),
+                itl: Histogram::new(LATENCY_BUCKETS),
+                request_duration: Histogram::new(DURATION_BUCKETS),
+                batch_tokens: Histogram::new(TOKEN_BUCKETS),
+                model: model.to_owned(),
+                device: device.to_owned(),
+            }),
+        }
+    }
+
+    /// Runs `f` on the state under the lock (a poisoned lock still yields the data: metrics
+    /// must never take the engine down).
+    pub fn update<R>(&self, f: impl FnOnce(&mut EngineStats) -> R) -> R {
+        let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut guard)
+    }
+}
