@@ -1,7 +1,7 @@
 //! CUDA against the CPU backend on a random-weight Llama with SmolLM2's vocabulary (49,152 tokens)
 //! and, where its files are at hand, SmolLM2's tokenizer: the whole model path (embedding, every
 //! layer's kernels and GEMMs, the LM head, the paged pool with shared and copied blocks) checked
-//! without the 515 MB model, so that a GPU machine checks it from a carry of a few megabytes.
+//! without the 515 MB model, so that a GPU machine checks it from a bundle of a few megabytes.
 //!
 //! - f32 weights and KV: every logit within 1e-4 of the largest (relative), through a chunked
 //!   prefill, decodes, a shared prefix and a copy-on-write fork;
