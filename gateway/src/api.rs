@@ -27,7 +27,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use kvgate_http::{error_response, json_response, ok_json, RespBody};
 use kvgate_protocol::openai::{
     strip_client_scope, ApiError, ChatCompletionRequest, CompletionRequest, ErrorCode, Limits,
-    ModelCard, ModelList, PromptInput, SamplingParams, CLIENT_SCOPE_FIELDS,
+    ModelCard, ModelList, PromptInput, SamplingParams,
 };
 use serde::Deserialize;
 use std::sync::atomic::Ordering;
@@ -187,10 +187,7 @@ async fn prepare_bounded(
 /// the typed request, and forwarded as the bytes the client sent. The others go through a JSON
 /// tree that is edited and written out again.
 fn prepare(gw: &Gateway, p: &Principal, kind: Kind, body: &Bytes) -> Result<Prepared, ApiError> {
-    let scope_fields = CLIENT_SCOPE_FIELDS
-        .iter()
-        .any(|f| memchr::memmem::find(body, f.as_bytes()).is_some());
-    if !scope_fields && body.len() <= gw.max_prompt_bytes {
+    if body.len() <= gw.max_prompt_bytes {
         let checked = match kind {
             Kind::Chat => {
                 // A body that does not parse takes the tree's path, for its errors.
@@ -202,18 +199,16 @@ fn prepare(gw: &Gateway, p: &Principal, kind: Kind, body: &Bytes) -> Result<Prep
                         .messages
                         .iter()
                         .any(|m| matches!(m.role.as_str(), "system" | "developer"));
-                if adds_system {
+                if adds_system || typed.has_client_scope() {
                     None
                 } else {
                     Some(check_chat(gw, p, &typed)?)
                 }
             }
-            Kind::Completion => {
-                let Ok(typed) = CompletionRequest::parse(body) else {
-                    return prepare_rewritten(gw, p, kind, body);
-                };
-                Some(check_completion(gw, p, &typed)?)
-            }
+            Kind::Completion => match CompletionRequest::parse(body) {
+                Ok(typed) if !typed.has_client_scope() => Some(check_completion(gw, p, &typed)?),
+                _ => return prepare_rewritten(gw, p, kind, body),
+            },
         };
         if let Some(checked) = checked.filter(|c| !c.stream) {
             return Ok(checked.prepared(body.clone()));

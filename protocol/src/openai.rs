@@ -42,6 +42,13 @@ pub use validate::GREEDY_EPSILON;
 /// removes them before forwarding and injects the tenant's own scope out of band.
 pub const CLIENT_SCOPE_FIELDS: [&str; 2] = ["cache_salt", "cache_scope"];
 
+/// Deserializes a request field whose value is ignored and whose presence is recorded (`true`
+/// whatever the value, `null` included): a client's [`CLIENT_SCOPE_FIELDS`], which a proxy must
+/// remove. serde matches keys after unescaping, so `"cache\u005fsalt"` counts too.
+pub(crate) fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    <serde::de::IgnoredAny as serde::Deserialize>::deserialize(d).map(|_| true)
+}
+
 /// Removes [`CLIENT_SCOPE_FIELDS`] from a request body object; returns whether any was present.
 /// For proxies that forward the body as JSON rather than re-serializing a typed request (which
 /// drops them anyway, as unknown fields).

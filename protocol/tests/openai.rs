@@ -896,3 +896,44 @@ fn sampling_defaults_fill_only_what_the_request_leaves_out() {
     };
     assert_eq!(bad.check().unwrap_err().param.as_deref(), Some("top_p"));
 }
+
+/// A client's cache-scope fields are recorded whatever their spelling in JSON (escaped keys
+/// included), so a proxy that forwards a body unchanged knows when it must rewrite it instead.
+#[test]
+fn client_scope_fields_are_seen_even_with_escaped_keys() {
+    for (body, seen) in [
+        (
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+            false,
+        ),
+        (
+            r#"{"model":"m","messages":[{"role":"user","content":"cache_salt"}]}"#,
+            false,
+        ),
+        (r#"{"model":"m","messages":[],"cache_salt":"x"}"#, true),
+        (
+            r#"{"model":"m","messages":[],"cache\u005fsalt":{"a":[1]}}"#,
+            true,
+        ),
+        (
+            r#"{"model":"m","messages":[],"\u0063ache_scope":null}"#,
+            true,
+        ),
+    ] {
+        let chat = ChatCompletionRequest::parse(body.as_bytes()).unwrap();
+        assert_eq!(chat.has_client_scope(), seen, "{body}");
+        let completion = body.replace(
+            r#""messages":[{"role":"user","content":"hi"}]"#,
+            r#""prompt":"hi""#,
+        );
+        if let Ok(c) = CompletionRequest::parse(completion.as_bytes()) {
+            assert_eq!(c.has_client_scope(), seen, "{completion}");
+        }
+    }
+    // Never sent on: the typed request serializes without them.
+    let chat = ChatCompletionRequest::parse(
+        br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"cache_salt":"x"}"#,
+    )
+    .unwrap();
+    assert!(!serde_json::to_string(&chat).unwrap().contains("cache_salt"));
+}

@@ -405,262 +405,325 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 /// Runs `policy` over `trace`. With `verify`, checks after every KV event batch that the index
 /// equals the engines' caches (slow; for tests).
 pub fn run(trace: &Trace, policy: SimPolicy, verify: bool) -> PolicyResult {
-    let cfg = &trace.config;
-    let b = cfg.block_size as usize;
-    let capacity = trace.capacity_blocks;
-    let router = Router::new(RouterConfig {
-        policy: match policy {
-            SimPolicy::Router(p) => p,
-            SimPolicy::Oracle => Policy::LeastLoaded,
-        },
-        alpha: cfg.alpha,
-        load_factor: cfg.load_factor,
-        block_size: cfg.block_size,
-    });
-    let mut index = PrefixIndex::new();
-    let mut engines: Vec<Engine> = (0..cfg.engines)
-        .map(|slot| Engine {
-            slot,
-            id: engine_id(&format!("engine-{slot}")),
-            cache: Lru::default(),
-            queue: VecDeque::new(),
-            current: None,
-            queued_prefill: 0,
-            held_blocks: 0,
-            pending: HashMap::new(),
-            requests: 0,
-            computed_tokens: 0,
-            busy_s: 0.0,
-        })
-        .collect();
-    let mask = engines.iter().fold(0u64, |m, e| m | (1 << e.slot));
-    let n = trace.requests.len();
-    let mut routed_prefill = vec![0u64; n];
-    let mut cached_blocks = vec![0usize; n];
-    let mut started = vec![0f64; n];
-    let mut ttft = Vec::with_capacity(n);
-    let mut queue_s = 0.0;
-    let mut hit_tokens = 0u64;
-    let mut prompt_tokens = 0u64;
-    let mut decision_ns = 0u128;
-    let mut reasons: BTreeMap<String, u64> = BTreeMap::new();
-    let mut events: BinaryHeap<std::cmp::Reverse<(Time, u64, Event)>> = BinaryHeap::new();
-    let mut seq = 0u64;
-    let mut next = 0usize;
-    let mut now = 0.0;
-    let load = |e: &Engine| {
-        e.queued_prefill as f64 + cfg.kv_weight * e.held_blocks as f64 / capacity as f64
-    };
+    let mut sim = Simulation::new(trace, policy, verify);
+    loop {
+        let arrival = trace.requests.get(sim.next).map(|r| r.at);
+        let event_at = sim.events.peek().map(|e| (e.0).0 .0);
+        match (arrival, event_at) {
+            (None, None) => break,
+            (Some(a), Some(t)) if t <= a => sim.next_event(),
+            (None, Some(_)) => sim.next_event(),
+            (Some(_), _) => sim.arrive(),
+        }
+    }
+    sim.result()
+}
 
-    // Starts the next queued request on engine `e` at `now`.
-    let start = |e: &mut Engine,
-                 now: f64,
-                 events: &mut BinaryHeap<std::cmp::Reverse<(Time, u64, Event)>>,
-                 seq: &mut u64,
-                 cached_blocks: &mut [usize],
-                 started: &mut [f64]| {
+/// The state of one policy's run: the engines, the index the router reads, the pending events
+/// and the figures so far. One method per event: an arrival, a prefill finishing, a request
+/// finishing.
+struct Simulation<'a> {
+    trace: &'a Trace,
+    policy: SimPolicy,
+    verify: bool,
+    router: Router,
+    index: PrefixIndex,
+    engines: Vec<Engine>,
+    /// Every engine's bit.
+    mask: u64,
+    /// Per request: prefill tokens counted against its engine's load, blocks found cached, start.
+    routed_prefill: Vec<u64>,
+    cached_blocks: Vec<usize>,
+    started: Vec<f64>,
+    events: BinaryHeap<std::cmp::Reverse<(Time, u64, Event)>>,
+    /// Tie-breaker of events at the same time: the order they were scheduled.
+    seq: u64,
+    /// The next request to arrive.
+    next: usize,
+    now: f64,
+    ttft: Vec<f64>,
+    queue_s: f64,
+    hit_tokens: u64,
+    prompt_tokens: u64,
+    decision_ns: u128,
+    reasons: BTreeMap<String, u64>,
+}
+
+impl<'a> Simulation<'a> {
+    fn new(trace: &'a Trace, policy: SimPolicy, verify: bool) -> Self {
+        let cfg = &trace.config;
+        let engines: Vec<Engine> = (0..cfg.engines)
+            .map(|slot| Engine {
+                slot,
+                id: engine_id(&format!("engine-{slot}")),
+                cache: Lru::default(),
+                queue: VecDeque::new(),
+                current: None,
+                queued_prefill: 0,
+                held_blocks: 0,
+                pending: HashMap::new(),
+                requests: 0,
+                computed_tokens: 0,
+                busy_s: 0.0,
+            })
+            .collect();
+        let n = trace.requests.len();
+        Simulation {
+            trace,
+            policy,
+            verify,
+            router: Router::new(RouterConfig {
+                policy: match policy {
+                    SimPolicy::Router(p) => p,
+                    SimPolicy::Oracle => Policy::LeastLoaded,
+                },
+                alpha: cfg.alpha,
+                load_factor: cfg.load_factor,
+                block_size: cfg.block_size,
+            }),
+            index: PrefixIndex::new(),
+            mask: engines.iter().fold(0u64, |m, e| m | (1 << e.slot)),
+            engines,
+            routed_prefill: vec![0; n],
+            cached_blocks: vec![0; n],
+            started: vec![0.0; n],
+            events: BinaryHeap::new(),
+            seq: 0,
+            next: 0,
+            now: 0.0,
+            ttft: Vec::with_capacity(n),
+            queue_s: 0.0,
+            hit_tokens: 0,
+            prompt_tokens: 0,
+            decision_ns: 0,
+            reasons: BTreeMap::new(),
+        }
+    }
+
+    fn block_size(&self) -> usize {
+        self.trace.config.block_size as usize
+    }
+
+    /// The load term the gateway computes for an engine: queued prefill tokens plus its KV use.
+    fn load(&self, e: &Engine) -> f64 {
+        let cfg = &self.trace.config;
+        e.queued_prefill as f64
+            + cfg.kv_weight * e.held_blocks as f64 / self.trace.capacity_blocks as f64
+    }
+
+    fn schedule(&mut self, at: f64, event: Event) {
+        self.seq += 1;
+        self.events
+            .push(std::cmp::Reverse((Time(at), self.seq, event)));
+    }
+
+    /// Routes the next request and queues it on the chosen engine.
+    fn arrive(&mut self) {
+        let trace = self.trace;
+        let i = self.next;
+        self.next += 1;
+        let r = &trace.requests[i];
+        self.now = r.at;
+        let t0 = Instant::now();
+        let (slot, matched) = self.choose(r);
+        self.decision_ns += t0.elapsed().as_nanos();
+        let prefill = (r.prompt_tokens as usize).saturating_sub(matched * self.block_size()) as u64;
+        self.routed_prefill[i] = prefill;
+        let oracle = self.policy == SimPolicy::Oracle;
+        let e = &mut self.engines[slot];
+        e.queued_prefill += prefill;
+        if oracle {
+            for h in &r.hashes {
+                *e.pending.entry(h.0).or_default() += 1;
+            }
+        }
+        e.queue.push_back(i);
+        e.requests += 1;
+        if e.current.is_none() {
+            self.start(slot);
+        }
+    }
+
+    /// The engine for `r` and the prefix blocks it is believed to hold, by the policy.
+    fn choose(&mut self, r: &Request) -> (usize, usize) {
+        let (slot, matched, reason) = match self.policy {
+            SimPolicy::Router(_) => {
+                let m = self.index.longest_matches(&r.hashes, self.mask);
+                let candidates: Vec<Candidate> = self
+                    .engines
+                    .iter()
+                    .map(|e| Candidate {
+                        slot: e.slot,
+                        id: e.id,
+                        matched_blocks: m[e.slot],
+                        load: self.load(e),
+                    })
+                    .collect();
+                let affinity = self.trace.tenants[r.tenant as usize].affinity;
+                let Some(choice) = self.router.choose(affinity, &candidates) else {
+                    unreachable!("engines are never empty")
+                };
+                let matched = choice.matched_blocks as usize;
+                (choice.slot, matched, choice.reason.as_str())
+            }
+            SimPolicy::Oracle => {
+                let known = |e: &Engine| {
+                    r.hashes
+                        .iter()
+                        .take_while(|h| e.cache.contains(**h) || e.pending.contains_key(&h.0))
+                        .count()
+                };
+                let (slot, matched) = self
+                    .engines
+                    .iter()
+                    .map(|e| (known(e), e))
+                    .max_by(|(ma, a), (mb, b)| {
+                        ma.cmp(mb)
+                            .then(self.load(b).total_cmp(&self.load(a)))
+                            .then(b.slot.cmp(&a.slot))
+                    })
+                    .map(|(m, e)| (e.slot, m))
+                    .unwrap_or((0, 0));
+                let reason = if matched > 0 {
+                    "prefix"
+                } else {
+                    "least_loaded"
+                };
+                (slot, matched, reason)
+            }
+        };
+        *self.reasons.entry(reason.to_owned()).or_default() += 1;
+        (slot, matched)
+    }
+
+    /// Starts the next queued request on engine `slot`, if any.
+    fn start(&mut self, slot: usize) {
+        let trace = self.trace;
+        let (b, cfg) = (self.block_size(), &trace.config);
+        let e = &mut self.engines[slot];
         let Some(i) = e.queue.pop_front() else {
             return;
         };
         let r = &trace.requests[i];
         let cached = e.cache.prefix(&r.hashes);
-        cached_blocks[i] = cached;
-        started[i] = now;
+        self.cached_blocks[i] = cached;
+        self.started[i] = self.now;
         let computed = r.prompt_tokens as usize - cached * b;
         let prefill = computed as f64 / cfg.prefill_tps;
         e.current = Some(i);
         e.held_blocks = (r.prompt_tokens as usize + r.output_tokens as usize).div_ceil(b);
         e.computed_tokens += (computed + r.output_tokens as usize) as u64;
         e.busy_s += prefill + f64::from(r.output_tokens) / cfg.decode_tps;
-        *seq += 1;
-        events.push(std::cmp::Reverse((
-            Time(now + prefill),
-            *seq,
-            Event::PrefillDone(e.slot),
-        )));
-    };
+        self.schedule(self.now + prefill, Event::PrefillDone(slot));
+    }
 
-    loop {
-        let arrival = trace.requests.get(next).map(|r| r.at);
-        let event_at = events.peek().map(|e| (e.0).0 .0);
-        let take_event = match (arrival, event_at) {
-            (None, None) => break,
-            (Some(a), Some(t)) => t <= a,
-            (None, Some(_)) => true,
-            (Some(_), None) => false,
+    fn next_event(&mut self) {
+        let Some(std::cmp::Reverse((Time(t), _, event))) = self.events.pop() else {
+            return;
         };
-        if !take_event {
-            let i = next;
-            next += 1;
-            now = trace.requests[i].at;
-            let r = &trace.requests[i];
-            let t0 = Instant::now();
-            let (slot, matched) = match policy {
-                SimPolicy::Router(_) => {
-                    let m = index.longest_matches(&r.hashes, mask);
-                    let candidates: Vec<Candidate> = engines
-                        .iter()
-                        .map(|e| Candidate {
-                            slot: e.slot,
-                            id: e.id,
-                            matched_blocks: m[e.slot],
-                            load: load(e),
-                        })
-                        .collect();
-                    let affinity = trace.tenants[r.tenant as usize].affinity;
-                    let Some(choice) = router.choose(affinity, &candidates) else {
-                        unreachable!("engines are never empty")
-                    };
-                    *reasons
-                        .entry(choice.reason.as_str().to_owned())
-                        .or_default() += 1;
-                    (choice.slot, choice.matched_blocks as usize)
-                }
-                SimPolicy::Oracle => {
-                    let known = |e: &Engine| {
-                        r.hashes
-                            .iter()
-                            .take_while(|h| e.cache.contains(**h) || e.pending.contains_key(&h.0))
-                            .count()
-                    };
-                    let best = engines
-                        .iter()
-                        .map(|e| (known(e), e))
-                        .max_by(|(ma, a), (mb, b)| {
-                            ma.cmp(mb)
-                                .then(load(b).total_cmp(&load(a)))
-                                .then(b.slot.cmp(&a.slot))
-                        })
-                        .map(|(m, e)| (e.slot, m))
-                        .unwrap_or((0, 0));
-                    let reason = if best.1 > 0 { "prefix" } else { "least_loaded" };
-                    *reasons.entry(reason.to_owned()).or_default() += 1;
-                    best
-                }
-            };
-            decision_ns += t0.elapsed().as_nanos();
-            let e = &mut engines[slot];
-            let prefill = (r.prompt_tokens as usize).saturating_sub(matched * b) as u64;
-            routed_prefill[i] = prefill;
-            e.queued_prefill += prefill;
-            if policy == SimPolicy::Oracle {
-                for h in &r.hashes {
-                    *e.pending.entry(h.0).or_default() += 1;
-                }
-            }
-            e.queue.push_back(i);
-            e.requests += 1;
-            if e.current.is_none() {
-                start(
-                    e,
-                    now,
-                    &mut events,
-                    &mut seq,
-                    &mut cached_blocks,
-                    &mut started,
-                );
-            }
-            continue;
-        }
-        let Some(std::cmp::Reverse((Time(t), _, event))) = events.pop() else {
-            break;
-        };
-        now = t;
+        self.now = t;
         match event {
-            Event::PrefillDone(slot) => {
-                let e = &mut engines[slot];
-                let Some(i) = e.current else { continue };
-                let r = &trace.requests[i];
-                ttft.push(now - r.at);
-                queue_s += started[i] - r.at;
-                hit_tokens += (cached_blocks[i] * b) as u64;
-                prompt_tokens += u64::from(r.prompt_tokens);
-                e.queued_prefill -= routed_prefill[i];
-                // Keep the matched prefix from being evicted for the new blocks, store them, then
-                // release every block of the request tail first (the head is evicted last).
-                for h in &r.hashes[..cached_blocks[i]] {
-                    e.cache.touch(h.0);
-                }
-                for h in &r.hashes[cached_blocks[i]..] {
-                    if e.cache.contains(*h) {
-                        continue;
-                    }
-                    if e.cache.len() >= capacity {
-                        if let Some(old) = e.cache.evict_oldest() {
-                            index.remove(slot, BlockHash(old));
-                        }
-                    }
-                    e.cache.touch(h.0);
-                    index.insert(slot, *h);
-                }
-                for h in r.hashes.iter().rev() {
-                    e.cache.touch(h.0);
-                }
-                if policy == SimPolicy::Oracle {
-                    for h in &r.hashes {
-                        if let Some(c) = e.pending.get_mut(&h.0) {
-                            *c -= 1;
-                            if *c == 0 {
-                                e.pending.remove(&h.0);
-                            }
-                        }
-                    }
-                }
-                if verify {
-                    assert_eq!(index.len(slot), e.cache.len(), "index size, engine {slot}");
-                    for h in e.cache.stamp.keys() {
-                        assert_eq!(
-                            index.longest_matches(&[BlockHash(*h)], 1 << slot)[slot],
-                            1,
-                            "index lacks a cached block of engine {slot}"
-                        );
-                    }
-                }
-                seq += 1;
-                events.push(std::cmp::Reverse((
-                    Time(now + f64::from(r.output_tokens) / cfg.decode_tps),
-                    seq,
-                    Event::Done(slot),
-                )));
-            }
+            Event::PrefillDone(slot) => self.prefill_done(slot),
             Event::Done(slot) => {
-                let e = &mut engines[slot];
+                let e = &mut self.engines[slot];
                 e.current = None;
                 e.held_blocks = 0;
-                start(
-                    e,
-                    now,
-                    &mut events,
-                    &mut seq,
-                    &mut cached_blocks,
-                    &mut started,
-                );
+                self.start(slot);
             }
         }
     }
-    let makespan = now.max(f64::MIN_POSITIVE);
-    ttft.sort_by(f64::total_cmp);
-    let served = ttft.len().max(1) as f64;
-    let per_engine_requests: Vec<u64> = engines.iter().map(|e| e.requests).collect();
-    let per_engine_tokens: Vec<u64> = engines.iter().map(|e| e.computed_tokens).collect();
-    let as_f64 = |v: &[u64]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
-    let busy: Vec<f64> = engines.iter().map(|e| e.busy_s).collect();
-    PolicyResult {
-        policy: policy.name().to_owned(),
-        hit_rate: hit_tokens as f64 / prompt_tokens.max(1) as f64,
-        vs_oracle: None,
-        requests_max_over_mean: max_over_mean(&as_f64(&per_engine_requests)),
-        tokens_max_over_mean: max_over_mean(&as_f64(&per_engine_tokens)),
-        busy_max_over_mean: max_over_mean(&busy),
-        fleet_busy: busy.iter().sum::<f64>() / (cfg.engines as f64 * makespan),
-        work_ms_per_request: busy.iter().sum::<f64>() / n.max(1) as f64 * 1e3,
-        mean_ttft_ms: ttft.iter().sum::<f64>() / served * 1e3,
-        p99_ttft_ms: percentile(&ttft, 0.99) * 1e3,
-        mean_queue_ms: queue_s / served * 1e3,
-        decision_us: decision_ns as f64 / n.max(1) as f64 / 1e3,
-        per_engine_requests,
-        per_engine_tokens,
-        reasons,
+
+    /// The request in service on `slot` has its first token: its prompt blocks are stored (the
+    /// KV events reach the index) and it decodes until `Done`.
+    fn prefill_done(&mut self, slot: usize) {
+        let trace = self.trace;
+        let (b, capacity) = (self.block_size(), trace.capacity_blocks);
+        let Some(i) = self.engines[slot].current else {
+            return;
+        };
+        let r = &trace.requests[i];
+        let cached = self.cached_blocks[i];
+        self.ttft.push(self.now - r.at);
+        self.queue_s += self.started[i] - r.at;
+        self.hit_tokens += (cached * b) as u64;
+        self.prompt_tokens += u64::from(r.prompt_tokens);
+        let e = &mut self.engines[slot];
+        e.queued_prefill -= self.routed_prefill[i];
+        // Keep the matched prefix from being evicted for the new blocks, store them, then
+        // release every block of the request tail first (the head is evicted last).
+        for h in &r.hashes[..cached] {
+            e.cache.touch(h.0);
+        }
+        for h in &r.hashes[cached..] {
+            if e.cache.contains(*h) {
+                continue;
+            }
+            if e.cache.len() >= capacity {
+                if let Some(old) = e.cache.evict_oldest() {
+                    self.index.remove(slot, BlockHash(old));
+                }
+            }
+            e.cache.touch(h.0);
+            self.index.insert(slot, *h);
+        }
+        for h in r.hashes.iter().rev() {
+            e.cache.touch(h.0);
+        }
+        if self.policy == SimPolicy::Oracle {
+            for h in &r.hashes {
+                if let Some(c) = e.pending.get_mut(&h.0) {
+                    *c -= 1;
+                    if *c == 0 {
+                        e.pending.remove(&h.0);
+                    }
+                }
+            }
+        }
+        if self.verify {
+            assert_eq!(
+                self.index.len(slot),
+                e.cache.len(),
+                "index size, engine {slot}"
+            );
+            for h in e.cache.stamp.keys() {
+                assert_eq!(
+                    self.index.longest_matches(&[BlockHash(*h)], 1 << slot)[slot],
+                    1,
+                    "index lacks a cached block of engine {slot}"
+                );
+            }
+        }
+        let done_at = self.now + f64::from(r.output_tokens) / trace.config.decode_tps;
+        self.schedule(done_at, Event::Done(slot));
+    }
+
+    fn result(mut self) -> PolicyResult {
+        let cfg = &self.trace.config;
+        let n = self.trace.requests.len();
+        let makespan = self.now.max(f64::MIN_POSITIVE);
+        self.ttft.sort_by(f64::total_cmp);
+        let served = self.ttft.len().max(1) as f64;
+        let per_engine_requests: Vec<u64> = self.engines.iter().map(|e| e.requests).collect();
+        let per_engine_tokens: Vec<u64> = self.engines.iter().map(|e| e.computed_tokens).collect();
+        let as_f64 = |v: &[u64]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+        let busy: Vec<f64> = self.engines.iter().map(|e| e.busy_s).collect();
+        PolicyResult {
+            policy: self.policy.name().to_owned(),
+            hit_rate: self.hit_tokens as f64 / self.prompt_tokens.max(1) as f64,
+            vs_oracle: None,
+            requests_max_over_mean: max_over_mean(&as_f64(&per_engine_requests)),
+            tokens_max_over_mean: max_over_mean(&as_f64(&per_engine_tokens)),
+            busy_max_over_mean: max_over_mean(&busy),
+            fleet_busy: busy.iter().sum::<f64>() / (cfg.engines as f64 * makespan),
+            work_ms_per_request: busy.iter().sum::<f64>() / n.max(1) as f64 * 1e3,
+            mean_ttft_ms: self.ttft.iter().sum::<f64>() / served * 1e3,
+            p99_ttft_ms: percentile(&self.ttft, 0.99) * 1e3,
+            mean_queue_ms: self.queue_s / served * 1e3,
+            decision_us: self.decision_ns as f64 / n.max(1) as f64 / 1e3,
+            per_engine_requests,
+            per_engine_tokens,
+            reasons: self.reasons,
+        }
     }
 }
 

@@ -59,6 +59,22 @@ pub struct ContentPart {
 /// `cache_salt` (the cache scope is the gateway's to set).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatCompletionRequest {
+    /// A client's `cache_salt` / `cache_scope`: never honored (the cache scope is the
+    /// gateway's to set); recorded so that a proxy knows to remove them.
+    #[serde(
+        default,
+        skip_serializing,
+        rename = "cache_salt",
+        deserialize_with = "super::present"
+    )]
+    pub sent_cache_salt: bool,
+    #[serde(
+        default,
+        skip_serializing,
+        rename = "cache_scope",
+        deserialize_with = "super::present"
+    )]
+    pub sent_cache_scope: bool,
     pub model: String,
     pub messages: Vec<RequestMessage>,
     /// Deprecated by OpenAI in favour of `max_completion_tokens`, which wins when both are set.
@@ -129,6 +145,11 @@ pub struct ChatInput {
 }
 
 impl ChatCompletionRequest {
+    /// Whether the client sent a cache-scope field (which a proxy must remove).
+    pub fn has_client_scope(&self) -> bool {
+        self.sent_cache_salt || self.sent_cache_scope
+    }
+
     /// Parses a request body; errors are 400s naming what is wrong.
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         serde_json::from_slice(body).map_err(|e| ApiError::from_json_error(&e))

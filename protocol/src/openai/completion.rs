@@ -115,6 +115,22 @@ impl PromptInput {
 /// (the cache scope is the gateway's to set).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CompletionRequest {
+    /// A client's `cache_salt` / `cache_scope`: never honored (the cache scope is the
+    /// gateway's to set); recorded so that a proxy knows to remove them.
+    #[serde(
+        default,
+        skip_serializing,
+        rename = "cache_salt",
+        deserialize_with = "super::present"
+    )]
+    pub sent_cache_salt: bool,
+    #[serde(
+        default,
+        skip_serializing,
+        rename = "cache_scope",
+        deserialize_with = "super::present"
+    )]
+    pub sent_cache_scope: bool,
     pub model: String,
     pub prompt: Prompt,
     /// Defaults to 16, as in OpenAI's legacy API.
@@ -182,6 +198,11 @@ pub struct CompletionInput {
 pub const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
 
 impl CompletionRequest {
+    /// Whether the client sent a cache-scope field (which a proxy must remove).
+    pub fn has_client_scope(&self) -> bool {
+        self.sent_cache_salt || self.sent_cache_scope
+    }
+
     /// Parses a request body; errors are 400s naming what is wrong.
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         serde_json::from_slice(body).map_err(|e| ApiError::from_json_error(&e))
