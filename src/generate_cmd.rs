@@ -6,7 +6,7 @@ use crate::model_cmd;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use kvgate_engine::scheduler::GroupId;
-use kvgate_engine::server::config::{EngineConfig, KvSection, WeightDType};
+use kvgate_engine::server::config::{Device, EngineConfig, KvSection, WeightDType};
 use kvgate_engine::server::launch;
 use kvgate_engine::worker::{Command, Event, Submit, EVENT_BUFFER};
 use kvgate_protocol::openai::SamplingParams;
@@ -63,24 +63,24 @@ pub struct GenerateArgs {
 }
 
 /// `--device`, checked before the model is fetched or loaded.
-fn check_device(device: &str) -> Result<()> {
-    if device == "cpu" || kvgate_engine::server::config::cuda_ordinal(device).is_some() {
-        return Ok(());
-    }
-    if device.starts_with("cuda") && !cfg!(feature = "cuda") {
+fn check_device(device: &str) -> Result<Device> {
+    let parsed: Device = device
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--{e}"))?;
+    if matches!(parsed, Device::Cuda(_)) && !cfg!(feature = "cuda") {
         anyhow::bail!(
             "--device {device}: this kvgate was built without CUDA (cargo build --features cuda)"
         );
     }
-    anyhow::bail!("--device {device}: expected cpu, cuda or cuda:N")
+    Ok(parsed)
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
-    check_device(&args.device)?;
+    let device = check_device(&args.device)?;
     let dir = model_cmd::resolve(args.model.as_deref())?;
     let config = EngineConfig {
         model: Some(dir.clone()),
-        device: args.device.clone(),
+        device,
         dtype: args.dtype.into(),
         kv: KvSection {
             blocks: Some(args.kv_blocks),
@@ -90,7 +90,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     let engine = launch::start(&config, &dir)
         .with_context(|| format!("loading {} on {}", dir.display(), args.device))?;
-    if args.device != "cpu" {
+    if device != Device::Cpu {
         eprintln!("device: {}", engine.device);
     }
     let prompt = if args.chat {

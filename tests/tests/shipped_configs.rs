@@ -3,7 +3,7 @@
 //! value's type and range: a file that would not start an engine or a gateway fails here, and
 //! the check cannot drift from the structs it checks. Secrets must come from the environment.
 
-use kvgate_engine::server::config::EngineConfig;
+use kvgate_engine::server::config::{Device, EngineConfig};
 use kvgate_gateway::GatewayConfig;
 use std::path::{Path, PathBuf};
 
@@ -56,8 +56,8 @@ fn every_shipped_config_parses_with_the_real_parsers() {
             let mut config: EngineConfig =
                 toml::from_str(&filled(&text)).unwrap_or_else(|e| panic!("{shown}: {e}"));
             // A GPU overlay names a CUDA device, which a build without CUDA refuses to open.
-            if config.device.starts_with("cuda") && !cfg!(feature = "cuda") {
-                config.device = "cpu".into();
+            if config.device != Device::Cpu && !cfg!(feature = "cuda") {
+                config.device = Device::Cpu;
             }
             config.validate().unwrap_or_else(|e| panic!("{shown}: {e}"));
             for secret in [

@@ -69,8 +69,8 @@ pub struct EngineConfig {
     pub model: Option<PathBuf>,
     #[serde(default)]
     pub model_id: Option<String>,
-    #[serde(default = "default_device")]
-    pub device: String,
+    #[serde(default)]
+    pub device: Device,
     #[serde(default)]
     pub dtype: WeightDType,
     #[serde(default)]
@@ -129,9 +129,6 @@ pub struct AuthSection {
 
 fn default_listen() -> String {
     "127.0.0.1:8081".into()
-}
-fn default_device() -> String {
-    "cpu".into()
 }
 fn default_gpu_memory_fraction() -> f64 {
     0.9
@@ -206,14 +203,9 @@ impl EngineConfig {
     }
 
     pub fn validate(&self) -> Result<(), String> {
-        if self.device != "cpu" && cuda_ordinal(&self.device).is_none() {
-            let built = if cfg!(feature = "cuda") {
-                "cpu, cuda, cuda:N"
-            } else {
-                "cpu; cuda needs --features cuda"
-            };
+        if matches!(self.device, Device::Cuda(_)) && !cfg!(feature = "cuda") {
             return Err(format!(
-                "device: {:?} is not available in this build ({built})",
+                "device: {} is not available in this build (cpu; cuda needs --features cuda)",
                 self.device
             ));
         }
@@ -271,14 +263,47 @@ impl EngineConfig {
     }
 }
 
-/// The GPU ordinal of a `cuda` / `cuda:N` device, in a build with the `cuda` feature.
-pub fn cuda_ordinal(device: &str) -> Option<usize> {
-    if !cfg!(feature = "cuda") {
-        return None;
+/// Where the model runs (`device`): `cpu`, `cuda` (GPU 0) or `cuda:N`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
+pub enum Device {
+    #[default]
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Device, String> {
+        let err = || format!("device {s:?}: expected cpu, cuda or cuda:N");
+        match s.strip_prefix("cuda") {
+            _ if s == "cpu" => Ok(Device::Cpu),
+            Some("") => Ok(Device::Cuda(0)),
+            Some(n) => n
+                .strip_prefix(':')
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(err),
+            None => Err(err()),
+        }
     }
-    match device.strip_prefix("cuda")? {
-        "" => Some(0),
-        n => n.strip_prefix(':')?.parse().ok(),
+}
+
+impl TryFrom<String> for Device {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Device, String> {
+        s.parse()
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
     }
 }
 
@@ -298,7 +323,8 @@ mod tests {
         assert_eq!(c.scheduler.preemption, PreemptMode::Recompute);
         assert_eq!(c.dtype, WeightDType::F32);
         for (text, field) in [
-            ("device = \"tpu\"", "device"),
+            ("device = \"tpu\"", "expected cpu, cuda or cuda:N"),
+            ("device = \"cuda:x\"", "expected cpu, cuda or cuda:N"),
             ("[kv]\nblock_size = 0", "kv.block_size"),
             (
                 "[scheduler]\npreemption = \"drop\"",

@@ -45,7 +45,7 @@ pub fn start(config: &EngineConfig, dir: &Path) -> Result<Arc<ServerState>, Laun
         );
     }
     #[cfg(feature = "cuda")]
-    if let Some(ordinal) = super::config::cuda_ordinal(&config.device) {
+    if let super::config::Device::Cuda(ordinal) = config.device {
         return cuda::start(config, dir, ordinal);
     }
     start_on(Cpu::new(), "cpu".into(), config, dir, DType::F32, |_, _| {
@@ -117,7 +117,7 @@ fn start_on<B: Backend + 'static>(
     );
     let metrics = Arc::new(Stats::new(
         &model_id,
-        &config.device,
+        &config.device.to_string(),
         block_size,
         num_blocks,
     ));
