@@ -187,34 +187,36 @@ async fn prepare_bounded(
 /// the typed request, and forwarded as the bytes the client sent. The others go through a JSON
 /// tree that is edited and written out again.
 fn prepare(gw: &Gateway, p: &Principal, kind: Kind, body: &Bytes) -> Result<Prepared, ApiError> {
-    if body.len() <= gw.max_prompt_bytes {
+    // Only a JSON object can go unchanged (the typed parse alone would read an array by
+    // position); anything else takes the tree's path, for its errors.
+    let object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    if object && body.len() <= gw.max_prompt_bytes {
         let checked = match kind {
-            Kind::Chat => {
-                // A body that does not parse takes the tree's path, for its errors.
-                let Ok(typed) = ChatCompletionRequest::parse(body) else {
-                    return prepare_rewritten(gw, p, kind, body);
-                };
-                let adds_system = p.tenant.system_prompt.is_some()
-                    && !typed
-                        .messages
-                        .iter()
-                        .any(|m| matches!(m.role.as_str(), "system" | "developer"));
-                if adds_system || typed.has_client_scope() {
-                    None
-                } else {
-                    Some(check_chat(gw, p, &typed)?)
-                }
-            }
+            Kind::Chat => match ChatCompletionRequest::parse(body) {
+                Ok(typed) if unchanged(p, &typed) => check_chat(gw, p, &typed)?,
+                _ => return prepare_rewritten(gw, p, kind, body),
+            },
             Kind::Completion => match CompletionRequest::parse(body) {
-                Ok(typed) if !typed.has_client_scope() => Some(check_completion(gw, p, &typed)?),
+                Ok(typed) if !typed.has_client_scope() && typed.stream != Some(true) => {
+                    check_completion(gw, p, &typed)?
+                }
                 _ => return prepare_rewritten(gw, p, kind, body),
             },
         };
-        if let Some(checked) = checked.filter(|c| !c.stream) {
-            return Ok(checked.prepared(body.clone()));
-        }
+        return Ok(checked.prepared(body.clone()));
     }
     prepare_rewritten(gw, p, kind, body)
+}
+
+/// Whether a chat request goes to the engine as sent: no client cache-scope field, not
+/// streamed (the gateway sets `stream_options`), and no tenant system prompt to add.
+fn unchanged(p: &Principal, typed: &ChatCompletionRequest) -> bool {
+    let adds_system = p.tenant.system_prompt.is_some()
+        && !typed
+            .messages
+            .iter()
+            .any(|m| matches!(m.role.as_str(), "system" | "developer"));
+    !adds_system && !typed.has_client_scope() && typed.stream != Some(true)
 }
 
 /// What a request was found to be: its stream flags and prompt hashes.

@@ -70,7 +70,14 @@ impl Gateway {
         threads: usize,
         shutdown: watch::Receiver<bool>,
     ) -> std::io::Result<ApiThreads> {
-        let threads = threads.max(1);
+        // A connection cap below the thread count would otherwise be raised to it.
+        let threads = threads.clamp(1, self.config.max_connections.max(1));
+        if addr.port() != 0 {
+            // Listeners that share a port share it with any socket of this user that asks to, a
+            // gateway still running from before among them: take the port alone first, so that
+            // one already in use is an error, as it is for a single listener.
+            drop(std::net::TcpListener::bind(addr)?);
+        }
         let first = shared_listener(addr)?;
         let addr = first.local_addr()?;
         let mut listeners = vec![first];
@@ -89,7 +96,7 @@ impl Gateway {
                     let runtime = tokio::runtime::Builder::new_current_thread()
                         .enable_all()
                         .build()?;
-                    runtime.block_on(async move {
+                    let served = runtime.block_on(async move {
                         let listener = TcpListener::from_std(listener)?;
                         let stopped = async move {
                             let _ = stop.wait_for(|s| *s).await;
@@ -101,7 +108,11 @@ impl Gateway {
                             stopped,
                         )
                         .await
-                    })
+                    });
+                    if let Err(e) = &served {
+                        tracing::error!(thread = i, error = %e, "an API thread stopped serving");
+                    }
+                    served
                 })?;
             handles.push(handle);
         }

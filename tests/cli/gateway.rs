@@ -171,4 +171,29 @@ fn two_gateways_share_one_rate_limit() {
     until(&env2, true);
     run(&["admin", "engines", "remove", "far"], &env2);
     until(&env, false);
+
+    // The API threads share their port among themselves only: a gateway started on a port in
+    // use fails, as a single listener would, instead of taking part of its traffic.
+    let path = dir.path().join("gateway1.toml");
+    let clash = dir.path().join("clash.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(
+        &clash,
+        text.replace(
+            &format!("127.0.0.1:{admin1}"),
+            &format!("127.0.0.1:{}", free_port()),
+        ),
+    )
+    .unwrap();
+    let out = kvgate()
+        .args(["gateway", "--config"])
+        .arg(&clash)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a second gateway took port {api1}: {stderr}"
+    );
+    assert!(stderr.contains("binding"), "{stderr}");
 }

@@ -172,7 +172,8 @@ fn sampling_defaults(config: &EngineConfig, dir: &Path) -> Result<SamplingDefaul
         Ok(text) => serde_json::from_str(&text)
             .map(|json| SamplingDefaults::from_generation_config(&json))
             .map_err(|e| LaunchError::Config(format!("{}: {e}", path.display())))?,
-        Err(_) => SamplingDefaults::default(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => SamplingDefaults::default(),
+        Err(e) => return Err(LaunchError::Config(format!("{}: {e}", path.display()))),
     };
     let defaults = config.sampling.or(model);
     defaults
