@@ -26,7 +26,6 @@ use std::time::{Duration, Instant};
 pub const KNOWN: &[&str] = &[
     "usage.lenient_on_skipped_members",
     "protocol.engine_skips_unknown_fields_unread",
-    "protocol.engine_accepts_array_body",
     "sse.buffer_bound_after_done",
 ];
 

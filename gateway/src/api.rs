@@ -26,8 +26,8 @@ use hyper::header::{HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use kvgate_http::{error_response, json_response, ok_json, RespBody};
 use kvgate_protocol::openai::{
-    strip_client_scope, ApiError, ChatCompletionRequest, CompletionRequest, ErrorCode, Limits,
-    ModelCard, ModelList, PromptInput, SamplingParams,
+    body_not_an_object, strip_client_scope, ApiError, ChatCompletionRequest, CompletionRequest,
+    ErrorCode, Limits, ModelCard, ModelList, PromptInput, SamplingParams,
 };
 use serde::Deserialize;
 use std::sync::atomic::Ordering;
@@ -187,10 +187,8 @@ async fn prepare_bounded(
 /// the typed request, and forwarded as the bytes the client sent. The others go through a JSON
 /// tree that is edited and written out again.
 fn prepare(gw: &Gateway, p: &Principal, kind: Kind, body: &Bytes) -> Result<Prepared, ApiError> {
-    // Only a JSON object can go unchanged (the typed parse alone would read an array by
-    // position); anything else takes the tree's path, for its errors.
-    let object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
-    if object && body.len() <= gw.max_prompt_bytes {
+    // A body the typed parse refuses takes the tree's path, for its errors.
+    if body.len() <= gw.max_prompt_bytes {
         let checked = match kind {
             Kind::Chat => match ChatCompletionRequest::parse(body) {
                 Ok(typed) if unchanged(p, &typed) => check_chat(gw, p, &typed)?,
@@ -315,10 +313,7 @@ fn prepare_rewritten(
     let mut json: serde_json::Value =
         serde_json::from_slice(body).map_err(|e| ApiError::from_json_error(&e))?;
     if !json.is_object() {
-        return Err(ApiError::invalid_value(
-            "body",
-            "The request body must be a JSON object.",
-        ));
+        return Err(body_not_an_object());
     }
     strip_client_scope(&mut json);
     let text = text_bytes(&json);

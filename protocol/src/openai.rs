@@ -49,6 +49,24 @@ pub(crate) fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D:
     <serde::de::IgnoredAny as serde::Deserialize>::deserialize(d).map(|_| true)
 }
 
+/// The error for a request body that is JSON but not an object.
+pub fn body_not_an_object() -> ApiError {
+    ApiError::invalid_value("body", "The request body must be a JSON object.")
+}
+
+/// Reads a request body as `T`: a JSON object only. serde's derived structs would also read an
+/// array as the struct's fields in order, so `["model", ...]` would pass for a request; any body
+/// that does not open with `{` is refused, with the JSON parser's own message when it is not
+/// JSON at all.
+pub(crate) fn parse_object<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        serde_json::from_slice::<serde::de::IgnoredAny>(body)
+            .map_err(|e| ApiError::from_json_error(&e))?;
+        return Err(body_not_an_object());
+    }
+    serde_json::from_slice(body).map_err(|e| ApiError::from_json_error(&e))
+}
+
 /// Removes [`CLIENT_SCOPE_FIELDS`] from a request body object; returns whether any was present.
 /// For proxies that forward the body as JSON rather than re-serializing a typed request (which
 /// drops them anyway, as unknown fields).

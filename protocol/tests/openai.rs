@@ -204,6 +204,35 @@ fn chat_content_parts_and_roles() {
     );
 }
 
+/// serde's derived structs read an array as the fields in order; a request is an object only.
+#[test]
+fn only_an_object_is_a_request() {
+    for body in [
+        &br#"["kvgate-test","hi"]"#[..],
+        br#" [false,false,"kvgate-test","hi"]"#,
+        br#""hi""#,
+        b"null",
+        b"17",
+    ] {
+        assert_err(
+            CompletionRequest::parse(body),
+            ErrorCode::InvalidValue,
+            Some("body"),
+        );
+        assert_err(
+            ChatCompletionRequest::parse(body),
+            ErrorCode::InvalidValue,
+            Some("body"),
+        );
+    }
+    // Not JSON at all: the parser's own message, whatever the first byte.
+    assert_err(
+        CompletionRequest::parse(b"[1,"),
+        ErrorCode::InvalidJson,
+        None,
+    );
+}
+
 #[test]
 fn malformed_bodies() {
     assert_err(
@@ -244,8 +273,8 @@ fn malformed_bodies() {
     );
     assert_err(
         ChatCompletionRequest::parse(b"[1,2]"),
-        ErrorCode::InvalidType,
-        None,
+        ErrorCode::InvalidValue,
+        Some("body"),
     );
     assert_err(
         CompletionRequest::parse(br#"{"model":"m","prompt":"x","n":1.5}"#),

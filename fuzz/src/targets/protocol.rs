@@ -13,8 +13,8 @@ use super::{ensure, param_shape, signature, Target, Violation};
 use crate::corpus::Corpus;
 use crate::rng::Rng;
 use kvgate_protocol::openai::{
-    strip_client_scope, ApiError, ChatCompletionRequest, ChatInput, CompletionInput,
-    CompletionRequest, ErrorBody, ErrorCode, Limits, PromptInput, SamplingParams,
+    body_not_an_object, strip_client_scope, ApiError, ChatCompletionRequest, ChatInput,
+    CompletionInput, CompletionRequest, ErrorBody, ErrorCode, Limits, PromptInput, SamplingParams,
     CLIENT_SCOPE_FIELDS,
 };
 use serde::Deserialize;
@@ -102,17 +102,12 @@ impl Target for Protocol {
                 // one known exception: the engine skips unknown fields without reading them as
                 // JSON values (a number out of range, invalid UTF-8 there pass), while the
                 // gateway reads the whole body as a tree first.
-                // And serde's derived structs read a JSON array as the fields in order, so the
-                // engine takes `["model", "prompt"]` as a request; the gateway wants an object.
                 let lax_skip = gateway
                     .as_ref()
                     .is_err_and(|e| e.code == ErrorCode::InvalidJson);
-                let array = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[');
                 ensure(
                     gateway.as_ref().is_ok_and(|(g, _)| g == d),
-                    if array {
-                        "protocol.engine_accepts_array_body"
-                    } else if lax_skip {
+                    if lax_skip {
                         "protocol.engine_skips_unknown_fields_unread"
                     } else {
                         "protocol.gateway_accepts_what_engine_accepts"
@@ -197,10 +192,7 @@ fn gateway(
         Err(e) => return refused(ApiError::from_json_error(&e)),
     };
     if !json.is_object() {
-        return refused(ApiError::invalid_value(
-            "body",
-            "The request body must be a JSON object.",
-        ));
+        return refused(body_not_an_object());
     }
     let had_scope = CLIENT_SCOPE_FIELDS.iter().any(|f| json.get(f).is_some());
     let removed = strip_client_scope(&mut json);

@@ -150,9 +150,9 @@ impl ChatCompletionRequest {
         self.sent_cache_salt || self.sent_cache_scope
     }
 
-    /// Parses a request body; errors are 400s naming what is wrong.
+    /// Parses a request body (a JSON object); errors are 400s naming what is wrong.
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        serde_json::from_slice(body).map_err(|e| ApiError::from_json_error(&e))
+        super::parse_object(body)
     }
 
     /// Checks every field and normalizes messages and sampling parameters.
