@@ -34,7 +34,7 @@ mod prefill;
 mod quota;
 pub mod sequence;
 
-pub use self::core::{NewGroup, Scheduler, SchedulerConfig, SchedulerStats};
+pub use self::core::{Backlog, NewGroup, Scheduler, SchedulerConfig, SchedulerStats};
 pub use fairness::TenantId;
 pub use plan::{PreemptMode, StepItem, StepPlan};
 pub use sequence::{FinishReason, GroupId, SeqGroup, SeqStatus, Sequence};

@@ -5,6 +5,7 @@
 //! enums, tenants are the ids the gateway sends (configured tenants).
 
 use kvgate_http::metrics::Histogram;
+use kvgate_protocol::LoadReport;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
@@ -51,6 +52,10 @@ pub struct EngineStats {
     pub batch_tokens: Histogram,
     pub model: String,
     pub device: String,
+    /// The load report as of the last step (for `/admin/status` while a step runs), and when
+    /// it was made.
+    pub load: LoadReport,
+    pub load_at: Option<std::time::Instant>,
 }
 
 /// Shared between the engine thread (writer) and the HTTP handlers (readers).
@@ -91,6 +96,8 @@ impl Stats {
                 batch_tokens: Histogram::new(TOKEN_BUCKETS),
                 model: model.to_owned(),
                 device: device.to_owned(),
+                load: LoadReport::default(),
+                load_at: None,
             }),
         }
     }

@@ -23,9 +23,10 @@ use crate::scheduler::{
 use crate::stats::Stats;
 use detok::Detokenizer;
 use kvgate_kernels::{AttnSeq, Backend};
+use kvgate_protocol::load::MAX_REPORTED_TENANTS;
 use kvgate_protocol::openai::{ApiError, ErrorCode, FinishReason, SamplingParams};
 use kvgate_protocol::prompt::PromptRenderer;
-use kvgate_protocol::{BlockHash, KvEventRecord};
+use kvgate_protocol::{BlockHash, KvEventRecord, LoadReport, StepCost};
 use outbox::{Outbox, Refused};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::mpsc::{Receiver, TryRecvError};
@@ -87,6 +88,8 @@ pub struct Status {
     pub waiting: usize,
     pub swapped: usize,
     pub running_by_tenant: HashMap<String, usize>,
+    /// The queue and the measured step costs, for the gateways' routing.
+    pub load: LoadReport,
 }
 
 /// Commands to the engine thread.
@@ -137,7 +140,14 @@ pub struct Worker<B: Backend> {
     kv_events: broadcast::Sender<KvEventRecord>,
     ws: Workspace,
     stall_timeout: Duration,
+    /// Step time against step size, measured on every forward pass.
+    cost: StepCost,
+    /// The load report last published, and when.
+    published_load: Option<(Instant, LoadReport)>,
 }
+
+/// How often the published load report is brought up to date.
+const LOAD_REFRESH: Duration = Duration::from_millis(100);
 
 impl<B: Backend> std::fmt::Debug for Worker<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -167,6 +177,8 @@ impl<B: Backend> Worker<B> {
             kv_events,
             ws: Workspace::new(),
             stall_timeout: Duration::from_secs(30),
+            cost: StepCost::default(),
+            published_load: None,
         }
     }
 
@@ -315,7 +327,10 @@ impl<B: Backend> Worker<B> {
         if plan.is_empty() {
             return;
         }
+        let started = Instant::now();
         let (logits, sampled) = self.forward(&plan);
+        self.cost
+            .observe(plan.num_tokens(), started.elapsed().as_secs_f64());
         let vocab = self.model.config().vocab_size;
         for (k, item) in sampled.iter().enumerate() {
             let row = &logits[k * vocab..(k + 1) * vocab];
@@ -551,6 +566,17 @@ impl<B: Backend> Worker<B> {
             self.sched.num_waiting(),
             self.sched.num_swapped(),
         );
+        // The backlog looks up the cached prefix of every waiting request: at most ten times a
+        // second, not every step.
+        let (load_at, load) = match &self.published_load {
+            Some((at, load)) if at.elapsed() < LOAD_REFRESH => (*at, load.clone()),
+            _ => {
+                let load = self.load();
+                let at = Instant::now();
+                self.published_load = Some((at, load.clone()));
+                (at, load)
+            }
+        };
         self.metrics.update(|m| {
             m.blocks_used = usage.used as u64;
             m.blocks_cached = usage.cached as u64;
@@ -568,7 +594,53 @@ impl<B: Backend> Worker<B> {
             // Replaced, not merged: a quota that was removed leaves the metric.
             m.tenant_blocks = tenant_blocks;
             m.tenant_quota = tenant_quota;
+            m.load = load;
+            m.load_at = Some(load_at);
         });
+    }
+
+    /// The load report: the scheduler's backlog (waiting tokens by tenant name, the largest
+    /// [`MAX_REPORTED_TENANTS`] apart), its limits and the measured step costs.
+    fn load(&self) -> LoadReport {
+        let backlog = self.sched.backlog();
+        let config = self.sched.config();
+        let u = self.sched.kv.usage();
+        let (step_secs, secs_per_token) = self.cost.fit();
+        let running = self.sched.num_running();
+        let names: HashMap<TenantId, &String> = self.tenants.iter().map(|(k, v)| (*v, k)).collect();
+        let mut waiting: Vec<(u64, &String)> = backlog
+            .waiting
+            .iter()
+            .filter(|(_, &n)| n > 0)
+            .filter_map(|(t, &n)| Some((n, *names.get(t)?)))
+            .collect();
+        let pending = backlog.running_prefill + backlog.waiting.values().sum::<u64>();
+        let mut running_prefill_tokens = backlog.running_prefill;
+        if waiting.len() > MAX_REPORTED_TENANTS {
+            waiting.sort_unstable_by_key(|w| std::cmp::Reverse(w.0));
+            // The rest are counted as if they went first: never an underestimate.
+            running_prefill_tokens += waiting[MAX_REPORTED_TENANTS..]
+                .iter()
+                .map(|(n, _)| n)
+                .sum::<u64>();
+            waiting.truncate(MAX_REPORTED_TENANTS);
+        }
+        // A decode step for the batch as it is, times the steps until the nearest end.
+        let step = step_secs + running as f64 * secs_per_token;
+        LoadReport {
+            pending_prefill_tokens: pending,
+            running_prefill_tokens,
+            waiting_by_tenant: waiting.into_iter().map(|(n, t)| (t.clone(), n)).collect(),
+            running: running as u32,
+            max_seqs: config.max_seqs as u32,
+            max_batched_tokens: config.max_batched_tokens as u32,
+            available_blocks: (u.free + u.cached) as u64,
+            free_blocks: u.free as u64,
+            secs_per_token,
+            step_secs,
+            next_finish_secs: backlog.next_end.map_or(0.0, |n| n as f64 * step),
+            age_secs: 0.0,
+        }
     }
 
     fn status(&self) -> Status {
@@ -587,6 +659,7 @@ impl<B: Backend> Worker<B> {
                 .into_iter()
                 .filter_map(|(t, n)| names.get(&t).map(|name| ((*name).clone(), n)))
                 .collect(),
+            load: self.load(),
         }
     }
 

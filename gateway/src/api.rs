@@ -19,7 +19,7 @@ use crate::routing::prefix::PromptHashes;
 use crate::state::Gateway;
 use crate::store::Admission;
 use crate::upstream::proxy::{self, Forward, StreamEnd};
-use crate::upstream::{now_ms, Engine};
+use crate::upstream::{now_ms, Engine, RouteRequest};
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::header::{HeaderName, HeaderValue};
@@ -497,19 +497,27 @@ async fn forward(
             break;
         }
         let now = now_ms();
-        let (candidates, engines) = gw.registry.candidates(
+        let req = RouteRequest::new(
             &prepared.hashes.hashes,
-            exclude,
-            gw.config.routing.kv_weight,
-            now,
+            prepared.hashes.prompt_tokens,
+            &to.p.tenant.id,
+            &gw.router.config(),
         );
-        let Some(choice) = gw.router.choose(prepared.hashes.affinity, &candidates) else {
+        let (candidates, engines) = gw.registry.candidates(&req, exclude, now);
+        let Some(choice) = gw.router.choose(
+            prepared.hashes.affinity,
+            prepared.hashes.prompt_tokens,
+            &candidates,
+        ) else {
             break;
         };
         let Some(engine) = engines.into_iter().find(|e| e.slot == choice.slot) else {
             break;
         };
         gw.metrics.route_decision(choice.reason.as_str());
+        if choice.reason == crate::routing::Reason::LeastLoaded {
+            tracing::debug!(engine = %engine.name, ?candidates, "routed by load");
+        }
         gw.metrics
             .routed_prefix_blocks
             .observe(f64::from(choice.matched_blocks));

@@ -24,9 +24,8 @@
 //! stall_timeout_secs = 30            # a client that stops reading its answer is cut off
 //! [routing]
 //! policy = "prefix"                  # prefix | round_robin | least_loaded | consistent_hash
-//! alpha = 1.0                        # tokens of prefix match worth one token of load
-//! kv_weight = 2048.0                 # load tokens for an engine whose KV cache is full
-//! load_factor = 1.25                 # bounded load: no engine above this x the mean
+//! load_factor = 1.25                 # bounded load: no engine above this x the mean in flight
+//! prefill_tokens_per_sec = 1000.0    # an engine's prefill speed until it reports its own
 //! [[engines]]
 //! name = "engine-0"
 //! url = "http://127.0.0.1:8081"
@@ -102,12 +101,11 @@ pub struct GatewayConfig {
 pub struct RoutingSection {
     #[serde(default = "default_policy")]
     pub policy: crate::routing::Policy,
-    #[serde(default = "default_alpha")]
-    pub alpha: f64,
-    #[serde(default = "default_kv_weight")]
-    pub kv_weight: f64,
     #[serde(default = "default_load_factor")]
     pub load_factor: f64,
+    /// The prefill speed assumed for an engine that has not measured its own yet.
+    #[serde(default = "default_prefill_tokens_per_sec")]
+    pub prefill_tokens_per_sec: f64,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -153,11 +151,8 @@ fn default_key_ttl() -> u64 {
 fn default_policy() -> crate::routing::Policy {
     crate::routing::Policy::Prefix
 }
-fn default_alpha() -> f64 {
-    1.0
-}
-fn default_kv_weight() -> f64 {
-    2048.0
+fn default_prefill_tokens_per_sec() -> f64 {
+    1000.0
 }
 fn default_load_factor() -> f64 {
     1.25
@@ -214,8 +209,9 @@ impl GatewayConfig {
         if let Some(seed) = &self.hash_seed {
             parse_seed(seed)?;
         }
-        if !(self.routing.alpha >= 0.0 && self.routing.alpha.is_finite()) {
-            return Err("routing.alpha: must be a finite number >= 0".into());
+        let tps = self.routing.prefill_tokens_per_sec;
+        if !(tps > 0.0 && tps.is_finite() && (1.0 / tps).is_finite()) {
+            return Err("routing.prefill_tokens_per_sec: must be a finite number > 0".into());
         }
         if !(self.routing.load_factor >= 1.0 && self.routing.load_factor.is_finite()) {
             return Err("routing.load_factor: must be >= 1".into());

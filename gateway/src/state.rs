@@ -73,9 +73,9 @@ impl Gateway {
         let gw = Arc::new(Gateway {
             router: Router::new(RouterConfig {
                 policy,
-                alpha: config.routing.alpha,
                 load_factor: config.routing.load_factor,
                 block_size: config.block_size,
+                prior_secs_per_token: 1.0 / config.routing.prefill_tokens_per_sec,
             }),
             max_prompt_bytes: max_prompt_bytes(&renderer, config.context_tokens()),
             background: tokio::runtime::Handle::current(),

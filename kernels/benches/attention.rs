@@ -1,6 +1,6 @@
 //! Paged attention decode against dense (contiguous K/V) attention of the same shapes, run by
 //! the same tile loop: batch 32, context 512, SmolLM2 heads (9 query, 3 kv, head_dim 64),
-//! block 16, block tables shuffled across the pool. The target: paged at most 1.3x
+//! block 16, block tables shuffled across the pool. kvgate's target: paged at most 1.3x
 //! the dense time. Throughput is K/V bytes read.
 
 use std::time::Duration;

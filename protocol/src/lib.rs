@@ -7,14 +7,18 @@
 //!   tokenizers it reproduces exactly; [`prompt`] uses it when it can.
 //! - [`events`]: the KV events an engine publishes (`/kv/events`) so the gateway's prefix index
 //!   mirrors the engine's cache.
+//! - [`load`]: what an engine reports of its queue and speed, and the wait it implies, for the
+//!   gateway's routing score.
 //!
 //! No network and no async.
 
 pub mod bpe;
 pub mod events;
 pub mod hash;
+pub mod load;
 pub mod openai;
 pub mod prompt;
 
 pub use events::{KvEvent, KvEventRecord};
 pub use hash::{parse_hash_seed, BlockHash, BlockHasher, Chain, HashParams};
+pub use load::{Ask, LoadReport, StepCost};

@@ -15,11 +15,11 @@
 //! prefill ends, the engine's new blocks are stored and evictions happen, and the gateway's
 //! [`PrefixIndex`] gets the same inserts and removals (KV events, delivered instantly).
 //!
-//! The router sees exactly what the gateway computes ([`kvgate_gateway::upstream::Registry::candidates`]):
-//! `matched_blocks` from the index, and `load = queued prefill tokens + kv_weight * kv_usage`,
-//! where queued prefill counts the uncached prompt tokens (as estimated at routing time) of every
-//! request routed to the engine whose first token has not come back, and `kv_usage` is the blocks
-//! held by the request in service over the capacity.
+//! The router sees what the gateway computes ([`kvgate_gateway::upstream::Registry::candidates`]):
+//! `matched_blocks` from the index, the requests in flight on each engine, its seconds per
+//! prefill token (`1 / prefill_tps`), and its wait: what a simulated engine would report, the
+//! time until it has served everything routed to it so far (the prefill estimated at routing
+//! time and the decode of every queued request; this engine serves one request at a time).
 //!
 //! The `oracle` knows every engine's true cache contents, including the blocks that requests
 //! already queued there will store before this one runs, and picks the engine with the longest
@@ -65,9 +65,7 @@ pub struct SimConfig {
     pub prefill_tps: f64,
     /// Decode throughput of one engine (all of its batch), tokens/s.
     pub decode_tps: f64,
-    pub alpha: f64,
     pub load_factor: f64,
-    pub kv_weight: f64,
 }
 
 impl Default for SimConfig {
@@ -88,9 +86,7 @@ impl Default for SimConfig {
             rate: None,
             prefill_tps: 16_000.0,
             decode_tps: 2_000.0,
-            alpha: routing.alpha,
             load_factor: routing.load_factor,
-            kv_weight: routing.kv_weight,
         }
     }
 }
@@ -346,9 +342,8 @@ struct Engine {
     cache: Lru,
     queue: VecDeque<usize>,
     current: Option<usize>,
-    queued_prefill: u64,
-    /// Blocks held by the request in service (prompt and output).
-    held_blocks: usize,
+    /// When it will have served everything routed to it, as estimated at routing time.
+    free_at: f64,
     /// Blocks that queued and in-service requests will store (the oracle's foresight).
     pending: HashMap<u128, u32>,
     requests: u64,
@@ -431,8 +426,7 @@ struct Simulation<'a> {
     engines: Vec<Engine>,
     /// Every engine's bit.
     mask: u64,
-    /// Per request: prefill tokens counted against its engine's load, blocks found cached, start.
-    routed_prefill: Vec<u64>,
+    /// Per request: blocks found cached, start.
     cached_blocks: Vec<usize>,
     started: Vec<f64>,
     events: BinaryHeap<std::cmp::Reverse<(Time, u64, Event)>>,
@@ -459,8 +453,7 @@ impl<'a> Simulation<'a> {
                 cache: Lru::default(),
                 queue: VecDeque::new(),
                 current: None,
-                queued_prefill: 0,
-                held_blocks: 0,
+                free_at: 0.0,
                 pending: HashMap::new(),
                 requests: 0,
                 computed_tokens: 0,
@@ -477,14 +470,13 @@ impl<'a> Simulation<'a> {
                     SimPolicy::Router(p) => p,
                     SimPolicy::Oracle => Policy::LeastLoaded,
                 },
-                alpha: cfg.alpha,
                 load_factor: cfg.load_factor,
                 block_size: cfg.block_size,
+                prior_secs_per_token: 1.0 / cfg.prefill_tps,
             }),
             index: PrefixIndex::new(),
             mask: engines.iter().fold(0u64, |m, e| m | (1 << e.slot)),
             engines,
-            routed_prefill: vec![0; n],
             cached_blocks: vec![0; n],
             started: vec![0.0; n],
             events: BinaryHeap::new(),
@@ -504,11 +496,9 @@ impl<'a> Simulation<'a> {
         self.trace.config.block_size as usize
     }
 
-    /// The load term the gateway computes for an engine: queued prefill tokens plus its KV use.
-    fn load(&self, e: &Engine) -> f64 {
-        let cfg = &self.trace.config;
-        e.queued_prefill as f64
-            + cfg.kv_weight * e.held_blocks as f64 / self.trace.capacity_blocks as f64
+    /// The engine's wait as it would report it: the time until it has served what it holds.
+    fn wait(&self, e: &Engine) -> f64 {
+        (e.free_at - self.now).max(0.0)
     }
 
     fn schedule(&mut self, at: f64, event: Event) {
@@ -528,10 +518,12 @@ impl<'a> Simulation<'a> {
         let (slot, matched) = self.choose(r);
         self.decision_ns += t0.elapsed().as_nanos();
         let prefill = (r.prompt_tokens as usize).saturating_sub(matched * self.block_size()) as u64;
-        self.routed_prefill[i] = prefill;
         let oracle = self.policy == SimPolicy::Oracle;
+        let cfg = &trace.config;
         let e = &mut self.engines[slot];
-        e.queued_prefill += prefill;
+        e.free_at = e.free_at.max(self.now)
+            + prefill as f64 / cfg.prefill_tps
+            + f64::from(r.output_tokens) / cfg.decode_tps;
         if oracle {
             for h in &r.hashes {
                 *e.pending.entry(h.0).or_default() += 1;
@@ -556,11 +548,18 @@ impl<'a> Simulation<'a> {
                         slot: e.slot,
                         id: e.id,
                         matched_blocks: m[e.slot],
-                        load: self.load(e),
+                        inflight: (e.queue.len() + usize::from(e.current.is_some())) as u64,
+                        wait_secs: self.wait(e),
+                        secs_per_token: 1.0 / self.trace.config.prefill_tps,
+                        // One request at a time: any other in flight queues.
+                        max_seqs: 1,
                     })
                     .collect();
                 let affinity = self.trace.tenants[r.tenant as usize].affinity;
-                let Some(choice) = self.router.choose(affinity, &candidates) else {
+                let Some(choice) =
+                    self.router
+                        .choose(affinity, r.prompt_tokens as usize, &candidates)
+                else {
                     unreachable!("engines are never empty")
                 };
                 let matched = choice.matched_blocks as usize;
@@ -579,7 +578,7 @@ impl<'a> Simulation<'a> {
                     .map(|e| (known(e), e))
                     .max_by(|(ma, a), (mb, b)| {
                         ma.cmp(mb)
-                            .then(self.load(b).total_cmp(&self.load(a)))
+                            .then(self.wait(b).total_cmp(&self.wait(a)))
                             .then(b.slot.cmp(&a.slot))
                     })
                     .map(|(m, e)| (e.slot, m))
@@ -611,7 +610,6 @@ impl<'a> Simulation<'a> {
         let computed = r.prompt_tokens as usize - cached * b;
         let prefill = computed as f64 / cfg.prefill_tps;
         e.current = Some(i);
-        e.held_blocks = (r.prompt_tokens as usize + r.output_tokens as usize).div_ceil(b);
         e.computed_tokens += (computed + r.output_tokens as usize) as u64;
         e.busy_s += prefill + f64::from(r.output_tokens) / cfg.decode_tps;
         self.schedule(self.now + prefill, Event::PrefillDone(slot));
@@ -627,7 +625,6 @@ impl<'a> Simulation<'a> {
             Event::Done(slot) => {
                 let e = &mut self.engines[slot];
                 e.current = None;
-                e.held_blocks = 0;
                 self.start(slot);
             }
         }
@@ -648,7 +645,6 @@ impl<'a> Simulation<'a> {
         self.hit_tokens += (cached * b) as u64;
         self.prompt_tokens += u64::from(r.prompt_tokens);
         let e = &mut self.engines[slot];
-        e.queued_prefill -= self.routed_prefill[i];
         // Keep the matched prefix from being evicted for the new blocks, store them, then
         // release every block of the request tail first (the head is evicted last).
         for h in &r.hashes[..cached] {
@@ -859,13 +855,14 @@ pub fn time_decisions(
     let ids: Vec<u64> = (0..engines)
         .map(|s| engine_id(&format!("engine-{s}")))
         .collect();
-    let loads: Vec<f64> = (0..engines).map(|s| (s * 300) as f64).collect();
+    // Engine s has s x 0.1 s of queue and s requests in flight.
+    let waits: Vec<f64> = (0..engines).map(|s| s as f64 * 0.1).collect();
     let mask = (0..engines).fold(0u64, |m, s| m | (1 << s));
     let router = Router::new(RouterConfig {
         policy: Policy::Prefix,
-        alpha: config.alpha,
         load_factor: config.load_factor,
         block_size: config.block_size,
+        prior_secs_per_token: 1.0 / config.prefill_tps,
     });
     let decide = |messages: &[ChatMessage]| -> Result<(usize, f64), PromptError> {
         let t0 = Instant::now();
@@ -877,10 +874,13 @@ pub fn time_decisions(
                 slot: s,
                 id: ids[s],
                 matched_blocks: m[s],
-                load: loads[s],
+                inflight: s as u64,
+                wait_secs: waits[s],
+                secs_per_token: 1.0 / config.prefill_tps,
+                max_seqs: 64,
             })
             .collect();
-        let choice = router.choose(ph.affinity, &candidates);
+        let choice = router.choose(ph.affinity, ph.prompt_tokens, &candidates);
         std::hint::black_box(choice);
         Ok((ph.prompt_tokens, hashed))
     };

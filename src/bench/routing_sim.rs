@@ -40,15 +40,9 @@ pub struct SimArgs {
     /// Decode tokens/s of one simulated engine (its whole batch).
     #[arg(long, default_value_t = 2_000.0)]
     decode_tps: f64,
-    /// Routing alpha (default: the gateway's).
-    #[arg(long)]
-    alpha: Option<f64>,
     /// Routing load factor (default: the gateway's).
     #[arg(long)]
     load_factor: Option<f64>,
-    /// Routing kv_weight (default: the gateway's).
-    #[arg(long)]
-    kv_weight: Option<f64>,
     /// Policies to compare, comma-separated.
     #[arg(
         long,
@@ -93,14 +87,8 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
         decode_tps: args.decode_tps,
         ..SimConfig::default()
     };
-    if let Some(a) = args.alpha {
-        config.alpha = a;
-    }
     if let Some(f) = args.load_factor {
         config.load_factor = f;
-    }
-    if let Some(w) = args.kv_weight {
-        config.kv_weight = w;
     }
     if !(1..=64).contains(&config.engines) || config.tenants == 0 || config.requests == 0 {
         bail!("--engines must be 1..=64, --tenants and --sim-requests positive");
@@ -108,8 +96,8 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
     if !(config.utilization > 0.0 && config.prefill_tps > 0.0 && config.decode_tps > 0.0) {
         bail!("--utilization, --prefill-tps and --decode-tps must be positive");
     }
-    if config.load_factor < 1.0 || config.alpha < 0.0 {
-        bail!("--load-factor must be >= 1 and --alpha >= 0");
+    if config.load_factor < 1.0 {
+        bail!("--load-factor must be >= 1");
     }
     let policies = args
         .policies
@@ -197,8 +185,8 @@ fn table(trace: &Trace, results: &[PolicyResult], timing: Option<&DecisionTiming
     );
     let _ = writeln!(
         s,
-        "  engine: prefill {} tok/s, decode {} tok/s; routing alpha {}, load_factor {}, kv_weight {}",
-        c.prefill_tps, c.decode_tps, c.alpha, c.load_factor, c.kv_weight
+        "  engine: prefill {} tok/s, decode {} tok/s; routing load_factor {}",
+        c.prefill_tps, c.decode_tps, c.load_factor
     );
     let _ = writeln!(
         s,

@@ -1,5 +1,5 @@
 //! `kvgate sim` end to end: the real binary on the real ShareGPT file (fetched on first use), the
-//! issue's targets on its JSON report, and bad input as one-line errors.
+//! targets on its JSON report, and bad input as one-line errors.
 //!
 //! The simulator is deterministic (seeded, no timing), so its figures are asserted here.
 

@@ -154,6 +154,49 @@ fn drain_finishes_in_flight_refuses_new_and_undrain_restores() {
     assert_eq!(e.post("/v1/completions", &body).status, 200);
 }
 
+/// `/admin/status` carries what the gateways' routing score needs: the queue, the batch's
+/// limits and the measured step costs.
+#[test]
+fn status_reports_the_queue_and_the_measured_speed() {
+    let e = Engine::start("");
+    let load = e.admin("GET", "/admin/status", "").json()["load"].clone();
+    assert_eq!(load["pending_prefill_tokens"], 0, "{load}");
+    assert_eq!(load["running"], 0);
+    assert!(load["max_seqs"].as_u64().unwrap() >= 1);
+    assert!(load["max_batched_tokens"].as_u64().unwrap() >= 1);
+    assert_eq!(load["secs_per_token"], 0.0, "nothing measured yet");
+    let addr = e.addr;
+    let body = format!(
+        r#"{{"model":"{MODEL}","prompt":"Count to fifty: one, two,","max_tokens":60,"temperature":0,"ignore_eos":true}}"#
+    );
+    let inflight = std::thread::spawn(move || request(addr, "POST", "/v1/completions", &[], &body));
+    let t0 = std::time::Instant::now();
+    let during = loop {
+        let load = e.admin("GET", "/admin/status", "").json()["load"].clone();
+        if load["running"] == 1 && load["next_finish_secs"].as_f64().unwrap() > 0.0 {
+            break load;
+        }
+        assert!(
+            t0.elapsed().as_secs() < 60,
+            "the request never showed: {load}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    assert!(during["secs_per_token"].as_f64().unwrap() > 0.0, "{during}");
+    assert_eq!(inflight.join().unwrap().status, 200);
+    let after = e.admin("GET", "/admin/status", "").json()["load"].clone();
+    assert_eq!(
+        (
+            after["running"].clone(),
+            after["pending_prefill_tokens"].clone()
+        ),
+        (0.into(), 0.into())
+    );
+    let per_token = after["secs_per_token"].as_f64().unwrap();
+    assert!(per_token > 0.0 && per_token < 1.0, "{after}");
+    assert!(after["available_blocks"].as_u64().unwrap() > 0);
+}
+
 #[test]
 fn flush_drops_cached_prefixes() {
     let e = Engine::start("");

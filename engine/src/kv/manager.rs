@@ -160,6 +160,13 @@ impl KvCacheManager {
             .longest_prefix(&prompt.hashes[..cap.min(prompt.hashes.len())])
     }
 
+    /// How many blocks [`Self::cached_prefix`] would return, without collecting them.
+    pub fn cached_prefix_len(&self, prompt: &HashedPrompt) -> usize {
+        let cap = prompt.num_tokens.saturating_sub(1) / self.block_size;
+        self.index
+            .longest_prefix_len(&prompt.hashes[..cap.min(prompt.hashes.len())])
+    }
+
     /// New blocks (allocated or revived from the cache) that admitting `prompt` whole needs now.
     pub fn blocks_needed_for_prompt(&self, prompt: &HashedPrompt) -> usize {
         let hits = self.cached_prefix(prompt);

@@ -74,6 +74,14 @@ impl PrefixIndex {
         hashes.iter().map_while(|h| self.get(*h)).collect()
     }
 
+    /// How many of `hashes`, from the first, are cached (no allocation).
+    pub fn longest_prefix_len(&self, hashes: &[BlockHash]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.get(**h).is_some())
+            .count()
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = (BlockHash, BlockId)> + '_ {
         self.map.iter().map(|(h, b)| (*h, *b))
     }

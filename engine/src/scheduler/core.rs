@@ -22,6 +22,17 @@ pub struct SchedulerStats {
     pub steps: u64,
 }
 
+/// What the queue holds: the rest of the prefills in progress (which go before any admission),
+/// the uncached prompt tokens of waiting groups per tenant (net of the prefix the cache holds for
+/// them now), and the fewest tokens a running group may still generate before its `max_tokens`
+/// ends it (`None` with nothing decoding).
+#[derive(Debug, Clone, Default)]
+pub struct Backlog {
+    pub running_prefill: u64,
+    pub waiting: HashMap<TenantId, u64>,
+    pub next_end: Option<usize>,
+}
+
 /// A new request for [`Scheduler::add`].
 #[derive(Debug, Clone)]
 pub struct NewGroup {
@@ -175,6 +186,36 @@ impl Scheduler {
 
     pub fn has_work(&self) -> bool {
         !self.groups.is_empty()
+    }
+
+    /// What the queue holds, for the engine's load report.
+    pub fn backlog(&self) -> Backlog {
+        let block = self.kv.block_size();
+        let mut b = Backlog::default();
+        for g in self.groups.values() {
+            match g.status {
+                SeqStatus::Waiting => {
+                    let uncached = match &g.hashed {
+                        Some(h) => g.prompt_len - self.kv.cached_prefix_len(h) * block,
+                        None => g.live().next().map_or(0, |s| s.num_uncomputed()),
+                    };
+                    *b.waiting.entry(g.tenant).or_default() += uncached as u64;
+                }
+                SeqStatus::Running if g.in_prefill() => {
+                    b.running_prefill += g.live().next().map_or(0, |s| s.num_uncomputed()) as u64;
+                }
+                SeqStatus::Running => {
+                    let left = g
+                        .live()
+                        .map(|s| g.max_tokens.saturating_sub(s.tokens.len() - g.prompt_len))
+                        .max()
+                        .unwrap_or(0);
+                    b.next_end = Some(b.next_end.map_or(left, |n| n.min(left)));
+                }
+                SeqStatus::Swapped => {}
+            }
+        }
+        b
     }
 
     /// Running groups per tenant.

@@ -148,16 +148,21 @@ async fn status(state: &ServerState) -> Result<Response<RespBody>, ApiError> {
             body["blocks"] = serde_json::json!({"used": s.blocks_used, "cached": s.blocks_cached, "free": s.blocks_free});
             body["queues"] = serde_json::json!({"running": s.running, "waiting": s.waiting, "swapped": s.swapped});
             body["running_by_tenant"] = serde_json::json!(s.running_by_tenant);
+            body["load"] = serde_json::json!(s.load);
         }
         Err(_) => {
             let m = state.metrics.update(|m| {
+                let mut load = m.load.clone();
+                load.age_secs = m.load_at.map_or(0.0, |t| t.elapsed().as_secs_f64());
                 serde_json::json!({
                     "blocks": {"used": m.blocks_used, "cached": m.blocks_cached, "free": m.blocks_free},
                     "queues": {"running": m.running, "waiting": m.waiting, "swapped": m.swapped},
+                    "load": load,
                 })
             });
             body["blocks"] = m["blocks"].clone();
             body["queues"] = m["queues"].clone();
+            body["load"] = m["load"].clone();
             // As of the engine thread's last step, which is still running.
             body["stale"] = serde_json::Value::Bool(true);
         }

@@ -10,6 +10,7 @@
 use super::{Engine, HttpClient};
 use http_body_util::{BodyExt, Full};
 use hyper::{header, Request, StatusCode};
+use kvgate_protocol::LoadReport;
 use serde::Deserialize;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -27,6 +28,10 @@ struct Status {
     #[serde(default)]
     inflight: u64,
     blocks: Blocks,
+    /// Read apart, so that a report this gateway cannot read (absent from an older engine, or
+    /// malformed) counts as no report and never fails the health check.
+    #[serde(default)]
+    load: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
@@ -119,8 +124,16 @@ async fn probe(
     }
     let s: Status = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
     engine.engine_draining.store(s.draining, Ordering::SeqCst);
-    engine.engine_inflight.store(s.inflight, Ordering::Relaxed);
-    let total = s.blocks.used + s.blocks.cached + s.blocks.free;
+    engine.set_engine_inflight(s.inflight);
+    engine.set_report(
+        s.load
+            .and_then(|v| serde_json::from_value::<LoadReport>(v).ok()),
+    );
+    let total = s
+        .blocks
+        .used
+        .saturating_add(s.blocks.cached)
+        .saturating_add(s.blocks.free);
     if total > 0 {
         engine.set_kv_usage(s.blocks.used as f64 / total as f64);
     }

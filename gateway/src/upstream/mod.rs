@@ -7,14 +7,15 @@ pub mod health;
 pub mod proxy;
 
 use crate::routing::index::{PrefixIndex, MAX_ENGINES};
-use crate::routing::{engine_id, Candidate};
+use crate::routing::{engine_id, Candidate, RouterConfig};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
+use kvgate_protocol::{Ask, LoadReport};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 /// The pooled upstream client (HTTP/1.1, TCP_NODELAY).
@@ -71,6 +72,10 @@ pub struct Engine {
     kv_usage: AtomicU64,
     /// Its own in-flight count at the last health check.
     pub engine_inflight: AtomicU64,
+    /// Of those, the requests other gateways had sent it (its count less this gateway's then).
+    pub others_inflight: AtomicU64,
+    /// Its queue and measured speed at the last health check, and when that was.
+    report: Mutex<(Arc<LoadReport>, Option<Instant>)>,
     failures: AtomicU32,
     open_until_ms: AtomicU64,
     /// Whether the KV event stream is connected and in sync.
@@ -94,6 +99,8 @@ impl Engine {
             queued_prefill: AtomicU64::new(0),
             kv_usage: AtomicU64::new(0f64.to_bits()),
             engine_inflight: AtomicU64::new(0),
+            others_inflight: AtomicU64::new(0),
+            report: Mutex::new((Arc::default(), None)),
             failures: AtomicU32::new(0),
             open_until_ms: AtomicU64::new(0),
             events_live: AtomicBool::new(false),
@@ -140,9 +147,60 @@ impl Engine {
         self.open_until_ms.store(0, Ordering::Relaxed);
     }
 
-    /// Load in tokens for the routing score.
-    pub fn load(&self, kv_weight: f64) -> f64 {
-        self.queued_prefill.load(Ordering::Relaxed) as f64 + kv_weight * self.kv_usage()
+    /// The load report of the last health check and its age in seconds (`None`: no usable
+    /// report yet).
+    pub fn report(&self) -> (Arc<LoadReport>, Option<f64>) {
+        let (report, at) = &*self.report.lock().unwrap_or_else(|p| p.into_inner());
+        (report.clone(), at.map(|t| t.elapsed().as_secs_f64()))
+    }
+
+    /// Stores a report read from the engine (made safe first), or forgets the last one.
+    pub fn set_report(&self, report: Option<LoadReport>) {
+        let entry = match report {
+            Some(r) => (Arc::new(r.sanitized()), Some(Instant::now())),
+            None => (Arc::default(), None),
+        };
+        *self.report.lock().unwrap_or_else(|p| p.into_inner()) = entry;
+    }
+
+    /// Records the engine's own in-flight count, as its health check read it.
+    pub fn set_engine_inflight(&self, n: u64) {
+        let n = n.min(MAX_REPORTED_INFLIGHT);
+        self.engine_inflight.store(n, Ordering::Relaxed);
+        let mine = self.inflight.load(Ordering::Relaxed);
+        self.others_inflight
+            .store(n.saturating_sub(mine), Ordering::Relaxed);
+    }
+
+    /// The routing candidate this engine is for `req`, of which it caches `matched_blocks`
+    /// blocks: its wait in seconds from its last report (less the report's age), at least the
+    /// prefill this gateway routed to it that has not started; and its requests in flight
+    /// (this gateway's now, and other gateways' at the last report). An engine that has not
+    /// measured its speed is taken at `prior` seconds per token.
+    fn candidate(&self, report: &Report, matched_blocks: u32, req: &RouteRequest<'_>) -> Candidate {
+        let (report, age) = (&report.0, report.1);
+        let block = req.block_size.max(1) as usize;
+        let uncached = req
+            .prompt_tokens
+            .saturating_sub(matched_blocks as usize * block);
+        let ask = Ask {
+            tenant: Some(req.tenant),
+            own_tokens: uncached as u64,
+            blocks_needed: uncached.div_ceil(block) as u64,
+            queued_tokens: self.queued_prefill.load(Ordering::Relaxed),
+        };
+        Candidate {
+            slot: self.slot,
+            id: self.id,
+            matched_blocks,
+            inflight: self
+                .inflight
+                .load(Ordering::Relaxed)
+                .saturating_add(self.others_inflight.load(Ordering::Relaxed)),
+            wait_secs: report.wait_now(age.unwrap_or(0.0), ask, req.prior_secs_per_token),
+            secs_per_token: report.secs_per_token(req.prior_secs_per_token),
+            max_seqs: report.max_seqs,
+        }
     }
 
     pub fn stopped(&self) -> watch::Receiver<bool> {
@@ -212,13 +270,12 @@ impl Registry {
         Some(engine)
     }
 
-    /// Routing candidates for a request with these block hashes, skipping `exclude` (a slot
-    /// bitmask of engines already tried).
+    /// Routing candidates for `req`, skipping `exclude` (a slot bitmask of engines already
+    /// tried).
     pub fn candidates(
         &self,
-        hashes: &[kvgate_protocol::BlockHash],
+        req: &RouteRequest<'_>,
         exclude: u64,
-        kv_weight: f64,
         now_ms: u64,
     ) -> (Vec<Candidate>, Vec<Arc<Engine>>) {
         let engines: Vec<Arc<Engine>> = self
@@ -231,17 +288,65 @@ impl Registry {
             .index
             .read()
             .unwrap_or_else(|p| p.into_inner())
-            .longest_matches(hashes, mask);
+            .longest_matches(req.hashes, mask);
+        let reports: Vec<Report> = engines.iter().map(|e| e.report()).collect();
+        // An engine that has not measured its speed yet is taken to be as fast as the median of
+        // those that have (the configured prior only when none has).
+        let mut measured: Vec<f64> = reports
+            .iter()
+            .filter(|(r, age)| age.is_some() && r.secs_per_token > 0.0)
+            .map(|(r, _)| r.secs_per_token)
+            .collect();
+        measured.sort_by(f64::total_cmp);
+        let req = RouteRequest {
+            prior_secs_per_token: measured
+                .get(measured.len() / 2)
+                .copied()
+                .unwrap_or(req.prior_secs_per_token),
+            ..*req
+        };
         let candidates = engines
             .iter()
-            .map(|e| Candidate {
-                slot: e.slot,
-                id: e.id,
-                matched_blocks: matched[e.slot],
-                load: e.load(kv_weight),
-            })
+            .zip(&reports)
+            .map(|(e, r)| e.candidate(r, matched[e.slot], &req))
             .collect();
         (candidates, engines)
+    }
+}
+
+/// An engine's load report and its age (see [`Engine::report`]).
+type Report = (Arc<LoadReport>, Option<f64>);
+
+/// In-flight counts an engine reports are capped here (a count past it is nonsense).
+const MAX_REPORTED_INFLIGHT: u64 = 1 << 32;
+
+/// What routing knows of one request.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteRequest<'a> {
+    /// Its prompt's block hashes.
+    pub hashes: &'a [kvgate_protocol::BlockHash],
+    pub prompt_tokens: usize,
+    /// Its tenant, as the engines name it.
+    pub tenant: &'a str,
+    pub block_size: u32,
+    /// Seconds per prefill token of an engine that has not reported its own.
+    pub prior_secs_per_token: f64,
+}
+
+impl<'a> RouteRequest<'a> {
+    pub fn new(
+        hashes: &'a [kvgate_protocol::BlockHash],
+        prompt_tokens: usize,
+        tenant: &'a str,
+        router: &RouterConfig,
+    ) -> Self {
+        RouteRequest {
+            hashes,
+            prompt_tokens,
+            tenant,
+            block_size: router.block_size,
+            prior_secs_per_token: router.prior_secs_per_token,
+        }
     }
 }
 
@@ -250,4 +355,171 @@ pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routing::{Policy, Reason, Router};
+
+    fn config() -> RouterConfig {
+        RouterConfig {
+            policy: Policy::Prefix,
+            load_factor: 1.25,
+            block_size: 16,
+            prior_secs_per_token: 0.001,
+        }
+    }
+
+    fn candidates(
+        registry: &Registry,
+        hashes: &[kvgate_protocol::BlockHash],
+        tenant: &str,
+    ) -> Vec<Candidate> {
+        let req = RouteRequest::new(hashes, 270, tenant, &config());
+        registry.candidates(&req, 0, now_ms()).0
+    }
+
+    /// `n` healthy engines, the first `cached` of them holding 16 blocks whose hashes it returns.
+    fn fleet(
+        n: usize,
+        cached: &[usize],
+    ) -> (Registry, Vec<Arc<Engine>>, Vec<kvgate_protocol::BlockHash>) {
+        let registry = Registry::new();
+        let engines: Vec<_> = (0..n)
+            .map(|i| {
+                let e = registry
+                    .add(&format!("e{i}"), &format!("http://127.0.0.1:{}", 9000 + i))
+                    .unwrap();
+                e.up.store(true, Ordering::SeqCst);
+                e
+            })
+            .collect();
+        let hashes: Vec<_> = (0..16u128).map(kvgate_protocol::BlockHash).collect();
+        {
+            let mut index = registry.index.write().unwrap();
+            for &i in cached {
+                for h in &hashes {
+                    index.insert(engines[i].slot, *h);
+                }
+            }
+        }
+        (registry, engines, hashes)
+    }
+
+    #[test]
+    fn a_draining_engine_gets_nothing_new_however_much_it_caches() {
+        let (registry, engines, hashes) = fleet(3, &[1]);
+        let router = Router::new(config());
+        let choose = || {
+            router
+                .choose(7, 270, &candidates(&registry, &hashes, "t"))
+                .unwrap()
+        };
+        assert_eq!(
+            (choose().slot, choose().reason),
+            (engines[1].slot, Reason::Prefix)
+        );
+        // Drained here, or by the engine itself: never a candidate.
+        engines[1].draining.store(true, Ordering::SeqCst);
+        assert_ne!(choose().slot, engines[1].slot);
+        engines[1].draining.store(false, Ordering::SeqCst);
+        engines[1].engine_draining.store(true, Ordering::SeqCst);
+        let c = candidates(&registry, &hashes, "t");
+        assert!(c.iter().all(|c| c.slot != engines[1].slot));
+        assert_ne!(choose().slot, engines[1].slot);
+    }
+
+    #[test]
+    fn a_tenant_that_floods_its_engine_spills_and_the_others_stay() {
+        let (registry, engines, hashes) = fleet(2, &[0]);
+        for e in &engines {
+            e.set_report(Some(LoadReport {
+                max_seqs: 8,
+                max_batched_tokens: 4096,
+                available_blocks: 1000,
+                free_blocks: 1000,
+                secs_per_token: 0.001,
+                ..LoadReport::default()
+            }));
+        }
+        // Engine 0 has 3,000 tokens of "hot"'s requests waiting.
+        engines[0].set_report(Some(LoadReport {
+            pending_prefill_tokens: 3000,
+            waiting_by_tenant: [("hot".to_owned(), 3000)].into(),
+            ..(*engines[1].report().0).clone()
+        }));
+        let router = Router::new(config());
+        let choose = |tenant| {
+            router
+                .choose(7, 270, &candidates(&registry, &hashes, tenant))
+                .unwrap()
+        };
+        // "calm" waits for its share only (14 tokens): it stays with its cached prefix.
+        assert_eq!(
+            (choose("calm").slot, choose("calm").reason),
+            (engines[0].slot, Reason::Prefix)
+        );
+        // "hot" waits behind its own 3 s: recomputing on the idle engine is cheaper.
+        assert_eq!(
+            (choose("hot").slot, choose("hot").reason),
+            (engines[1].slot, Reason::LeastLoaded)
+        );
+    }
+
+    #[test]
+    fn a_candidate_waits_for_what_its_engine_reports_and_what_this_gateway_queued() {
+        let registry = Registry::new();
+        let e = registry.add("e0", "http://127.0.0.1:9000").unwrap();
+        e.up.store(true, Ordering::SeqCst);
+        let one = |tenant: &str| candidates(&registry, &[], tenant)[0];
+        let c = one("t");
+        assert_eq!((c.wait_secs, c.secs_per_token, c.inflight), (0.0, 0.001, 0));
+        // Queued here and not yet started: 500 tokens at the prior speed.
+        e.queued_prefill.store(500, Ordering::Relaxed);
+        e.inflight.store(2, Ordering::Relaxed);
+        let c = one("t");
+        assert!((c.wait_secs - 0.5).abs() < 1e-9 && c.inflight == 2);
+        // The engine's own report: its measured speed, its longer queue, its in-flight count.
+        e.set_report(Some(LoadReport {
+            pending_prefill_tokens: 2000,
+            running_prefill_tokens: 1000,
+            waiting_by_tenant: [("flood".to_owned(), 1000)].into(),
+            max_seqs: 8,
+            max_batched_tokens: 4096,
+            available_blocks: 100,
+            free_blocks: 40,
+            secs_per_token: 0.002,
+            ..LoadReport::default()
+        }));
+        // Five in flight there, two of them this gateway's: three are other gateways'.
+        e.set_engine_inflight(5);
+        let c = one("flood");
+        assert!((c.wait_secs - 4.0).abs() < 1e-3, "{}", c.wait_secs);
+        assert_eq!((c.secs_per_token, c.inflight, c.max_seqs), (0.002, 5, 8));
+        // Another tenant waits for the running prefills and its share of the flood only.
+        let c = one("other");
+        assert!(
+            (c.wait_secs - 0.002 * (1000.0 + 270.0)).abs() < 1e-3,
+            "{}",
+            c.wait_secs
+        );
+        // This gateway's requests end: the others' three remain until the next report.
+        e.inflight.store(0, Ordering::Relaxed);
+        assert_eq!(one("t").inflight, 3);
+        // An engine without a report is taken at the speed the others measured.
+        let fresh = registry.add("e1", "http://127.0.0.1:9001").unwrap();
+        fresh.up.store(true, Ordering::SeqCst);
+        let c = candidates(&registry, &[], "t");
+        assert!(c.iter().all(|c| c.secs_per_token == 0.002), "{c:?}");
+        // A nonsense in-flight count saturates instead of overflowing.
+        e.set_engine_inflight(u64::MAX);
+        e.inflight.store(u64::MAX, Ordering::Relaxed);
+        assert_eq!(one("t").inflight, u64::MAX);
+        let _ = Router::new(config()).choose(1, 270, &candidates(&registry, &[], "t"));
+        // An unreadable report is forgotten, not kept as the figures of an idle engine.
+        e.set_report(None);
+        assert!(e.report().1.is_none());
+        assert_eq!(one("t").max_seqs, 0);
+    }
 }
