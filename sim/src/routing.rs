@@ -31,13 +31,15 @@
 use kvgate_gateway::routing::index::{PrefixIndex, MAX_ENGINES};
 use kvgate_gateway::routing::prefix::PromptHasher;
 use kvgate_gateway::routing::{engine_id, Candidate, Policy, Router, RouterConfig};
+use kvgate_gateway::upstream::{Registry, RouteRequest};
 use kvgate_protocol::prompt::{ChatMessage, PromptError, PromptRenderer};
-use kvgate_protocol::{BlockHash, BlockHasher, HashParams};
+use kvgate_protocol::{BlockHash, BlockHasher, HashParams, LoadReport};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+use std::sync::atomic::Ordering as AtomicOrdering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -785,10 +787,152 @@ const WORDS: [&str; 24] = [
     "summarize",
 ];
 
-/// Times the gateway's decision path for one chat request: [`PromptHasher::chat`] (a system
-/// prompt of about `system_tokens` tokens and a ~50-token user message), the index lookup over
-/// `engines` engines each holding `blocks_per_engine` blocks, building the candidates and
-/// [`Router::choose`] with the `prefix` policy.
+/// The gateway's decision path for one chat request, set up once: [`PromptHasher::chat`] on a
+/// system prompt of about `system_tokens` tokens plus one of 64 ~50-token user messages, a
+/// [`Registry`] of `engines` engines with load reports (engine `s` with `s` requests in flight
+/// and `100 s` prefill tokens waiting) and `blocks_per_engine` blocks each in the prefix index
+/// (the system prompt on engine 3), its candidates, and [`Router::choose`] with the `prefix`
+/// policy. [`time_decisions`] and the criterion bench `decision` both measure it.
+#[derive(Debug)]
+pub struct DecisionPath {
+    hasher: PromptHasher,
+    registry: Registry,
+    router: Router,
+    messages: Vec<Vec<ChatMessage>>,
+    system_tokens: usize,
+}
+
+/// The tenant (and cache scope) of every request of a [`DecisionPath`].
+const DECISION_TENANT: &str = "tenant-0";
+
+impl DecisionPath {
+    pub fn new(
+        renderer: Arc<PromptRenderer>,
+        config: &SimConfig,
+        system_tokens: usize,
+        blocks_per_engine: usize,
+    ) -> Result<Self, PromptError> {
+        let mut rng = StdRng::seed_from_u64(config.seed);
+        let word = |rng: &mut StdRng| WORDS[rng.gen_range(0..WORDS.len())];
+        let mut system = String::from("You are the support assistant of Example Corp.");
+        while renderer.encode(&system)?.len() < system_tokens {
+            for i in 0..50 {
+                system.push(' ');
+                system.push_str(word(&mut rng));
+                if i % 12 == 11 {
+                    system.push('.');
+                }
+            }
+        }
+        let messages: Vec<Vec<ChatMessage>> = (0..64)
+            .map(|i| {
+                let mut user = format!("Question {i}:");
+                for _ in 0..40 {
+                    user.push(' ');
+                    user.push_str(word(&mut rng));
+                }
+                user.push('?');
+                vec![
+                    ChatMessage {
+                        role: "system".into(),
+                        content: system.clone(),
+                    },
+                    ChatMessage {
+                        role: "user".into(),
+                        content: user,
+                    },
+                ]
+            })
+            .collect();
+        let block_hasher = BlockHasher::new(&HashParams {
+            model_id: "routing-sim".into(),
+            weight_version: "1".into(),
+            kv_dtype: "f32".into(),
+            block_size: config.block_size,
+            seed: [7; 32],
+        });
+        let hasher = PromptHasher::new(renderer.clone(), block_hasher);
+        let first = hasher.chat(DECISION_TENANT, &messages[0])?;
+        let engines = config.engines.clamp(1, MAX_ENGINES);
+        let registry = Registry::new();
+        for s in 0..engines {
+            let Ok(e) = registry.add(
+                &format!("engine-{s}"),
+                &format!("http://127.0.0.1:{}", 9000 + s),
+            ) else {
+                break;
+            };
+            e.up.store(true, AtomicOrdering::SeqCst);
+            e.inflight.store(s as u64, AtomicOrdering::Relaxed);
+            e.set_report(Some(LoadReport {
+                pending_prefill_tokens: 100 * s as u64,
+                waiting_by_tenant: (0..12)
+                    .map(|t| (format!("tenant-{t}"), 100 * s as u64 / 12))
+                    .collect(),
+                running: s as u32,
+                max_seqs: 64,
+                max_batched_tokens: 4096,
+                available_blocks: 1000,
+                free_blocks: 100,
+                secs_per_token: 1.0 / config.prefill_tps,
+                ..LoadReport::default()
+            }));
+        }
+        {
+            let mut index = registry.index.write().unwrap_or_else(|p| p.into_inner());
+            for h in &first.hashes {
+                index.insert(3 % engines, *h);
+            }
+            for slot in 0..engines {
+                while index.len(slot) < blocks_per_engine {
+                    index.insert(slot, BlockHash(rng.gen()));
+                }
+            }
+        }
+        let router = Router::new(RouterConfig {
+            policy: Policy::Prefix,
+            load_factor: config.load_factor,
+            block_size: config.block_size,
+            prior_secs_per_token: 1.0 / config.prefill_tps,
+        });
+        Ok(DecisionPath {
+            system_tokens: renderer.encode(&system)?.len(),
+            hasher,
+            registry,
+            router,
+            messages,
+        })
+    }
+
+    /// One decision, for the `i`-th user message: the prompt's tokens and the seconds spent
+    /// hashing it.
+    pub fn decide(&self, i: usize) -> Result<(usize, f64), PromptError> {
+        let t0 = Instant::now();
+        let ph = self
+            .hasher
+            .chat(DECISION_TENANT, &self.messages[i % self.messages.len()])?;
+        let hashed = t0.elapsed().as_secs_f64();
+        let req = RouteRequest::new(
+            &ph.hashes,
+            ph.prompt_tokens,
+            DECISION_TENANT,
+            &self.router.config(),
+        );
+        let (candidates, _) = self.registry.candidates(&req, 0, 0);
+        std::hint::black_box(
+            self.router
+                .choose(ph.affinity, ph.prompt_tokens, &candidates),
+        );
+        Ok((ph.prompt_tokens, hashed))
+    }
+
+    /// Forgets the system prompts' cached tokens and hashes: the next decision is cold.
+    pub fn clear(&self) {
+        self.hasher.clear();
+    }
+}
+
+/// Times [`DecisionPath`] over `iterations` warm decisions and a twentieth as many cold ones.
 pub fn time_decisions(
     renderer: Arc<PromptRenderer>,
     config: &SimConfig,
@@ -796,105 +940,17 @@ pub fn time_decisions(
     blocks_per_engine: usize,
     iterations: usize,
 ) -> Result<DecisionTiming, PromptError> {
-    let mut rng = StdRng::seed_from_u64(config.seed);
-    let word = |rng: &mut StdRng| WORDS[rng.gen_range(0..WORDS.len())];
-    let mut system = String::from("You are the support assistant of Example Corp.");
-    while renderer.encode(&system)?.len() < system_tokens {
-        for i in 0..50 {
-            system.push(' ');
-            system.push_str(word(&mut rng));
-            if i % 12 == 11 {
-                system.push('.');
-            }
-        }
-    }
-    let users: Vec<String> = (0..64)
-        .map(|i| {
-            let mut s = format!("Question {i}:");
-            for _ in 0..40 {
-                s.push(' ');
-                s.push_str(word(&mut rng));
-            }
-            s.push('?');
-            s
-        })
-        .collect();
-    let messages = |i: usize| {
-        vec![
-            ChatMessage {
-                role: "system".into(),
-                content: system.clone(),
-            },
-            ChatMessage {
-                role: "user".into(),
-                content: users[i % users.len()].clone(),
-            },
-        ]
-    };
-    let block_hasher = BlockHasher::new(&HashParams {
-        model_id: "routing-sim".into(),
-        weight_version: "1".into(),
-        kv_dtype: "f32".into(),
-        block_size: config.block_size,
-        seed: [7; 32],
-    });
-    let hasher = PromptHasher::new(renderer.clone(), block_hasher);
-    let scope = "tenant-0";
-    let first = hasher.chat(scope, &messages(0))?;
-    // The index: the system prompt cached on engine 3, every engine full of other blocks.
-    let engines = config.engines.clamp(1, MAX_ENGINES);
-    let mut index = PrefixIndex::new();
-    for h in &first.hashes {
-        index.insert(3 % engines, *h);
-    }
-    for slot in 0..engines {
-        while index.len(slot) < blocks_per_engine {
-            index.insert(slot, BlockHash(rng.gen()));
-        }
-    }
-    let ids: Vec<u64> = (0..engines)
-        .map(|s| engine_id(&format!("engine-{s}")))
-        .collect();
-    // Engine s has s x 0.1 s of queue and s requests in flight.
-    let waits: Vec<f64> = (0..engines).map(|s| s as f64 * 0.1).collect();
-    let mask = (0..engines).fold(0u64, |m, s| m | (1 << s));
-    let router = Router::new(RouterConfig {
-        policy: Policy::Prefix,
-        load_factor: config.load_factor,
-        block_size: config.block_size,
-        prior_secs_per_token: 1.0 / config.prefill_tps,
-    });
-    let decide = |messages: &[ChatMessage]| -> Result<(usize, f64), PromptError> {
-        let t0 = Instant::now();
-        let ph = hasher.chat(scope, messages)?;
-        let hashed = t0.elapsed().as_secs_f64();
-        let m = index.longest_matches(&ph.hashes, mask);
-        let candidates: Vec<Candidate> = (0..engines)
-            .map(|s| Candidate {
-                slot: s,
-                id: ids[s],
-                matched_blocks: m[s],
-                inflight: s as u64,
-                wait_secs: waits[s],
-                secs_per_token: 1.0 / config.prefill_tps,
-                max_seqs: 64,
-            })
-            .collect();
-        let choice = router.choose(ph.affinity, ph.prompt_tokens, &candidates);
-        std::hint::black_box(choice);
-        Ok((ph.prompt_tokens, hashed))
-    };
-    let msgs: Vec<Vec<ChatMessage>> = (0..users.len()).map(messages).collect();
+    let path = DecisionPath::new(renderer, config, system_tokens, blocks_per_engine)?;
     // Warm up.
-    for m in msgs.iter().take(16) {
-        decide(m)?;
+    for i in 0..16 {
+        path.decide(i)?;
     }
     let mut warm = Vec::with_capacity(iterations);
     let mut hash_s = 0.0;
     let mut prompt_tokens = 0;
     for i in 0..iterations {
         let t0 = Instant::now();
-        let (tokens, hashed) = decide(&msgs[i % msgs.len()])?;
+        let (tokens, hashed) = path.decide(i)?;
         warm.push(t0.elapsed().as_secs_f64() * 1e6);
         hash_s += hashed;
         prompt_tokens = tokens;
@@ -902,9 +958,9 @@ pub fn time_decisions(
     let cold_iterations = (iterations / 20).max(10);
     let mut cold = Vec::with_capacity(cold_iterations);
     for i in 0..cold_iterations {
-        hasher.clear();
+        path.clear();
         let t0 = Instant::now();
-        decide(&msgs[i % msgs.len()])?;
+        path.decide(i)?;
         cold.push(t0.elapsed().as_secs_f64() * 1e6);
     }
     let summarize = |v: &mut Vec<f64>| {
@@ -918,8 +974,8 @@ pub fn time_decisions(
     let (cold_mean_us, cold_p99_us) = summarize(&mut cold);
     Ok(DecisionTiming {
         prompt_tokens,
-        system_tokens: renderer.encode(&system)?.len(),
-        engines,
+        system_tokens: path.system_tokens,
+        engines: config.engines.clamp(1, MAX_ENGINES),
         index_blocks: blocks_per_engine,
         warm_iterations: iterations,
         warm_mean_us,

@@ -207,7 +207,10 @@ impl Scheduler {
                 SeqStatus::Running => {
                     let left = g
                         .live()
-                        .map(|s| g.max_tokens.saturating_sub(s.tokens.len() - g.prompt_len))
+                        .map(|s| {
+                            let generated = s.tokens.len().saturating_sub(g.prompt_len);
+                            g.max_tokens.saturating_sub(generated)
+                        })
                         .max()
                         .unwrap_or(0);
                     b.next_end = Some(b.next_end.map_or(left, |n| n.min(left)));

@@ -272,10 +272,7 @@ impl Router {
             _ => {
                 // The prefix will live where this request computes it: the tenant's next cold
                 // requests (this one may still be in prefill) follow it there.
-                self.homes
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(affinity, best.id);
+                self.move_home(affinity, best.id);
                 choice(best, Reason::LeastLoaded)
             }
         }
@@ -314,6 +311,14 @@ impl Router {
             .id;
         homes.insert(affinity, id);
         id
+    }
+
+    /// Makes engine `id` the home of the tenant with this `affinity`.
+    fn move_home(&self, affinity: u128, id: u64) {
+        self.homes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(affinity, id);
     }
 
     /// Forgets every tenant's home (after an engine leaves or a cache flush).
