@@ -124,6 +124,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
                 prompt: prompt.clone(),
                 params,
                 max_tokens,
+                constraint: None,
                 events,
                 on_stall,
             }),

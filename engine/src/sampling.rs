@@ -14,11 +14,13 @@
 //! number, so the stream depends only on the seed and the sequence's own logits; a sampler kept
 //! across preemption continues where it stopped, and the output is the same as without it.
 
+pub mod grammar;
 pub mod logprobs;
 pub mod penalties;
 pub mod select;
 pub mod stop;
 
+pub use grammar::{Constraint, GrammarCompiler, GrammarFailed};
 pub use logprobs::{TokenLogprobs, MIN_LOGPROB};
 pub use penalties::Penalties;
 pub use select::Workspace;

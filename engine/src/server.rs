@@ -37,6 +37,9 @@ pub struct ServerState {
     pub context_len: usize,
     pub vocab_size: usize,
     pub renderer: Arc<PromptRenderer>,
+    /// Compiles structured-output grammars; `None` when the tokenizer is not one llguidance
+    /// reads (structured outputs are then refused).
+    pub grammars: Option<Arc<crate::sampling::GrammarCompiler>>,
     pub commands: mpsc::Sender<Command>,
     /// The engine thread behind `commands`, for `/health`.
     pub engine: EngineThread,

@@ -46,6 +46,9 @@ pub struct EngineStats {
     pub generation_tokens: u64,
     /// Streams cancelled because their client stopped reading.
     pub stalled_clients: u64,
+    /// Grammar masks computed (one per constrained sample per step), and their total time.
+    pub grammar_masks: u64,
+    pub grammar_mask_seconds: f64,
     pub ttft: Histogram,
     pub itl: Histogram,
     pub request_duration: Histogram,
@@ -90,6 +93,8 @@ impl Stats {
                 prompt_tokens: 0,
                 generation_tokens: 0,
                 stalled_clients: 0,
+                grammar_masks: 0,
+                grammar_mask_seconds: 0.0,
                 ttft: Histogram::new(LATENCY_BUCKETS),
                 itl: Histogram::new(LATENCY_BUCKETS),
                 request_duration: Histogram::new(DURATION_BUCKETS),

@@ -16,7 +16,9 @@ pub use liveness::{EngineThread, Heartbeat, WorkerState, DEFAULT_STALL_AFTER};
 
 use crate::kv::{KvCacheManager, ScopeId};
 use crate::model::Llama;
-use crate::sampling::{Sampler, StopChecker, StopMatch, TokenLogprobs, Workspace};
+use crate::sampling::{
+    Constraint, GrammarFailed, Sampler, StopChecker, StopMatch, TokenLogprobs, Workspace,
+};
 use crate::scheduler::{
     FinishReason as SchedFinish, GroupId, NewGroup, Scheduler, StepItem, StepPlan, TenantId,
 };
@@ -48,6 +50,8 @@ pub struct Submit {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
     pub max_tokens: u32,
+    /// The compiled grammar of a constrained output (each sample follows its own copy).
+    pub constraint: Option<Constraint>,
     /// Bounded: [`EVENT_BUFFER`] plus `n + 1` slots, which the engine reserves for each sample's
     /// last piece and the request's end.
     pub events: mpsc::Sender<Event>,
@@ -106,6 +110,8 @@ pub enum Command {
 
 struct Sample {
     sampler: Sampler,
+    /// The output's grammar, if constrained.
+    constraint: Option<Constraint>,
     stop: StopChecker,
     detok: Detokenizer,
     /// Bytes of `detok.text` already sent.
@@ -255,6 +261,7 @@ impl<B: Backend> Worker<B> {
         let samples = (0..n)
             .map(|i| Sample {
                 sampler: Sampler::new(&s.params, &s.prompt, &self.eos, i),
+                constraint: s.constraint.clone(),
                 stop: StopChecker::new(&s.params, &self.eos, s.max_tokens),
                 detok: Detokenizer::default(),
                 sent: 0,
@@ -328,7 +335,32 @@ impl<B: Backend> Worker<B> {
             return;
         }
         let started = Instant::now();
-        let (logits, sampled) = self.forward(&plan);
+        let mut masks = self.take_constraints(&plan);
+        let (logits, sampled) = if masks.is_empty() {
+            self.forward(&plan)
+        } else {
+            // The grammar masks of this step's constrained samples are computed beside the
+            // forward pass, not after it.
+            let (out, (back, secs)) = std::thread::scope(|scope| {
+                let masker = scope.spawn(move || {
+                    let secs: f64 = masks.iter_mut().map(|(_, _, c)| c.prepare()).sum();
+                    (masks, secs)
+                });
+                let out = self.forward(&plan);
+                let back = masker
+                    .join()
+                    .unwrap_or_else(|p| std::panic::resume_unwind(p));
+                (out, back)
+            });
+            let count = back.len() as u64;
+            self.metrics.update(|m| {
+                m.grammar_masks += count;
+                m.grammar_mask_seconds += secs;
+            });
+            masks = back;
+            self.restore_constraints(masks);
+            out
+        };
         self.cost
             .observe(plan.num_tokens(), started.elapsed().as_secs_f64());
         let vocab = self.model.config().vocab_size;
@@ -361,6 +393,52 @@ impl<B: Backend> Worker<B> {
                 r.out.stall();
             }
             self.metrics.update(|m| m.stalled_clients += 1);
+        }
+    }
+
+    /// Takes out the grammar state of every constrained sample the plan samples, to compute
+    /// its mask beside the forward pass: the item's own sample, or every sample of a request
+    /// whose prompt ends this step (its samples fork from that row).
+    fn take_constraints(&mut self, plan: &StepPlan) -> Vec<(GroupId, usize, Constraint)> {
+        let mut out = Vec::new();
+        for item in plan.items.iter().filter(|i| i.sample) {
+            let Some(req) = self.requests.get_mut(&item.group) else {
+                continue;
+            };
+            let indices: Vec<usize> = match req.index.get(&item.seq) {
+                Some(&i) => vec![i],
+                None => (0..req.samples.len()).collect(),
+            };
+            for i in indices {
+                let sample = &mut req.samples[i];
+                if sample.done {
+                    continue;
+                }
+                if let Some(c) = sample.constraint.take() {
+                    out.push((item.group, i, c));
+                }
+            }
+        }
+        out
+    }
+
+    fn restore_constraints(&mut self, masks: Vec<(GroupId, usize, Constraint)>) {
+        for (gid, i, c) in masks {
+            if let Some(sample) = self
+                .requests
+                .get_mut(&gid)
+                .and_then(|r| r.samples.get_mut(i))
+            {
+                sample.constraint = Some(c);
+            }
+        }
+    }
+
+    /// Ends request `gid` with `error`, freeing its blocks.
+    fn fail(&mut self, gid: GroupId, error: ApiError) {
+        self.sched.abort(gid);
+        if let Some(req) = self.requests.remove(&gid) {
+            req.out.end(Event::Failed(error));
         }
     }
 
@@ -461,16 +539,26 @@ impl<B: Backend> Worker<B> {
             return;
         };
         let sample = &mut req.samples[index];
+        if let Some(c) = sample.constraint.as_mut() {
+            let masked = c.apply(logits).and_then(|()| {
+                if logits.iter().any(|&l| l > f32::NEG_INFINITY) {
+                    Ok(())
+                } else {
+                    Err(GrammarFailed("no token can continue the output".into()))
+                }
+            });
+            if let Err(e) = masked {
+                self.fail(gid, e.api_error());
+                return;
+            }
+        }
         let sampled = match sample.sampler.sample(logits, &mut self.ws) {
             Ok(s) => s,
             Err(e) => {
                 if !e.is_request_fault() {
                     tracing::error!(request = gid.0, code = e.code(), "sampling failed");
                 }
-                self.sched.abort(gid);
-                if let Some(req) = self.requests.remove(&gid) {
-                    req.out.end(Event::Failed(e.api_error()));
-                }
+                self.fail(gid, e.api_error());
                 return;
             }
         };
@@ -511,6 +599,14 @@ impl<B: Backend> Worker<B> {
             return;
         }
         if finish.is_none() {
+            let committed = sample
+                .constraint
+                .as_mut()
+                .map_or(Ok(()), |c| c.commit(sampled.token));
+            if let Err(e) = committed {
+                self.fail(gid, e.api_error());
+                return;
+            }
             self.sched.push_token(gid, seq, sampled.token);
             return;
         }

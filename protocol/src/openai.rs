@@ -22,6 +22,7 @@ pub mod error;
 pub mod params;
 pub mod response;
 pub mod stream;
+pub mod structured;
 mod validate;
 
 pub use chat::{ChatCompletionRequest, ChatInput, ContentPart, MessageContent, RequestMessage};
@@ -30,12 +31,14 @@ pub use error::{ApiError, ErrorBody, ErrorCode, ErrorObject};
 pub use params::{Limits, SamplingDefaults, SamplingParams, Stop, StreamOptions, MAX_LOGPROBS};
 pub use response::{
     AssistantMessage, ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob,
-    CompletionChoice, CompletionLogprobs, CompletionResponse, FinishReason, ModelCard, ModelList,
-    PromptTokensDetails, TopLogprob, TopLogprobMap, Usage,
+    CompletionChoice, CompletionLogprobs, CompletionResponse, FinishReason, FunctionCall,
+    ModelCard, ModelList, PromptTokensDetails, ToolCall, TopLogprob, TopLogprobMap, Usage,
 };
 pub use stream::{
-    sse_event, ChatChunkChoice, ChatCompletionChunk, CompletionChunk, Delta, SSE_DONE,
+    sse_event, ChatChunkChoice, ChatCompletionChunk, CompletionChunk, Delta, FunctionDelta,
+    ToolCallDelta, SSE_DONE,
 };
+pub use structured::{Grammar, ParsedToolCall, Structured, Tool, ToolChoice};
 pub use validate::GREEDY_EPSILON;
 
 /// Request fields a client may not set, because they pick the prefix-cache scope: the gateway

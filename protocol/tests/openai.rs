@@ -367,21 +367,38 @@ fn unsupported_features_are_rejected() {
         ErrorCode::UnsupportedParameter,
         Some("best_of"),
     );
+    // Tools are served: rendered into the system turn unless `tool_choice` is none, and a
+    // grammar only when calls are required.
     let tool = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
-    assert_err(
-        chat_with(json!({"tools": tool})),
-        ErrorCode::UnsupportedParameter,
-        Some("tools"),
-    );
-    assert!(chat_with(json!({"tools": tool, "tool_choice": "none"})).is_ok());
+    let auto = chat_with(json!({"tools": tool})).unwrap();
+    assert!(auto.params.grammar.is_none());
+    assert_eq!(auto.messages[0].role, "system");
+    assert!(auto.messages[0].content.contains("<tools>"));
+    let none = chat_with(json!({"tools": tool, "tool_choice": "none"})).unwrap();
+    assert!(none.structured.tools.is_empty() && none.messages.len() == 1);
+    let required = chat_with(json!({"tools": tool, "tool_choice": "required"})).unwrap();
+    assert!(matches!(
+        required.params.grammar,
+        Some(kvgate_protocol::openai::Grammar::Lark(_))
+    ));
     assert!(chat_with(json!({"tools": [], "tool_choice": "auto"})).is_ok());
-    let format = json!({"type": "json_object"});
     assert_err(
-        chat_with(json!({"response_format": format})),
-        ErrorCode::UnsupportedParameter,
-        Some("response_format"),
+        chat_with(json!({"tools": [], "tool_choice": "required"})),
+        ErrorCode::InvalidValue,
+        Some("tool_choice"),
     );
-    assert!(chat_with(json!({"response_format": {"type": "text"}})).is_ok());
+    let json_object = chat_with(json!({"response_format": {"type": "json_object"}})).unwrap();
+    assert!(json_object.params.grammar.is_some());
+    assert_err(
+        chat_with(json!({"response_format": {"type": "xml"}})),
+        ErrorCode::UnsupportedParameter,
+        Some("response_format.type"),
+    );
+    assert!(chat_with(json!({"response_format": {"type": "text"}}))
+        .unwrap()
+        .params
+        .grammar
+        .is_none());
     assert!(completion_with(json!({"echo": false, "suffix": "", "best_of": 1})).is_ok());
 }
 

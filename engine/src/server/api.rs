@@ -14,12 +14,13 @@
 
 use super::http::{self, error_response, ok_json, sse_response, stream_channel, RespBody};
 use super::ServerState;
-use crate::sampling::TokenLogprobs;
+use crate::sampling::{Constraint, TokenLogprobs};
 use crate::scheduler::GroupId;
 use crate::worker::{Command, Event, Submit, EVENT_BUFFER};
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
+use kvgate_protocol::openai::structured::{self, StreamPiece, ToolCallStream};
 use kvgate_protocol::openai::*;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -129,6 +130,8 @@ struct Prepared {
     params: SamplingParams,
     stream: bool,
     include_usage: bool,
+    /// Tools whose calls are parsed out of the output.
+    tools: Vec<Tool>,
 }
 
 fn prepare(state: &ServerState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError> {
@@ -151,6 +154,7 @@ fn prepare(state: &ServerState, kind: Kind, body: &[u8]) -> Result<Prepared, Api
                 params: input.params,
                 stream: input.stream,
                 include_usage: input.include_usage,
+                tools: Vec::new(),
             })
         }
         Kind::Chat => {
@@ -168,9 +172,30 @@ fn prepare(state: &ServerState, kind: Kind, body: &[u8]) -> Result<Prepared, Api
                 params: input.params,
                 stream: input.stream,
                 include_usage: input.include_usage,
+                tools: input.structured.tools,
             })
         }
     }
+}
+
+/// Compiles a request's grammar on the blocking pool (never on the engine thread); its errors
+/// are the request's 400.
+async fn compile(
+    state: &ServerState,
+    tenant: &str,
+    grammar: &Grammar,
+) -> Result<Constraint, ApiError> {
+    let Some(compiler) = state.grammars.clone() else {
+        return Err(ApiError::unsupported(
+            grammar.param(),
+            "Structured outputs are not available: this model's tokenizer could not be read \
+             for grammars.",
+        ));
+    };
+    let (tenant, grammar) = (tenant.to_owned(), grammar.clone());
+    tokio::task::spawn_blocking(move || compiler.compile(&tenant, &grammar))
+        .await
+        .map_err(|_| ApiError::internal("The grammar compiler failed."))?
 }
 
 /// Counts a request in flight; aborts it in the engine if dropped before it finished.
@@ -202,6 +227,10 @@ async fn generate(
     let body = http::read_body(req, state.max_body_bytes).await?;
     let p = prepare(&state, kind, &body)?;
     let max_tokens = p.params.max_tokens_for(p.prompt.len(), state.context_len)?;
+    let constraint = match &p.params.grammar {
+        Some(g) => Some(compile(&state, &who.tenant, g).await?),
+        None => None,
+    };
     let id = GroupId(state.next_id.fetch_add(1, Ordering::SeqCst));
     let n = p.params.n;
     // Bounded: the engine holds output back rather than queue it here for a slow reader. One
@@ -228,6 +257,7 @@ async fn generate(
                 prompt: p.prompt,
                 params: p.params,
                 max_tokens,
+                constraint,
                 events: tx,
                 on_stall,
             }),
@@ -240,6 +270,7 @@ async fn generate(
         created: now(),
         n,
         logprobs,
+        tools: p.tools,
     };
     if p.stream {
         let (body_tx, body) = stream_channel(64);
@@ -271,6 +302,8 @@ struct Output {
     created: u64,
     n: u32,
     logprobs: bool,
+    /// Tools whose calls are parsed out of the output (chat only).
+    tools: Vec<Tool>,
 }
 
 #[derive(Default)]
@@ -407,12 +440,22 @@ impl Output {
                     .enumerate()
                     .map(|(i, c)| {
                         let lp = self.logprobs.then(|| self.chat_logprobs(&c.tokens));
-                        ChatChoice::new(
-                            i as u32,
-                            c.text,
-                            lp,
-                            c.finish.unwrap_or(FinishReason::Stop),
-                        )
+                        let finish = c.finish.unwrap_or(FinishReason::Stop);
+                        let calls = (finish == FinishReason::Stop)
+                            .then(|| structured::parse_tool_calls(&c.text, &self.tools))
+                            .flatten();
+                        match calls {
+                            Some((content, calls)) => ChatChoice::tool_calls(
+                                i as u32,
+                                (!content.is_empty()).then_some(content),
+                                calls
+                                    .iter()
+                                    .map(|c| ToolCall::function(&c.name, &c.arguments))
+                                    .collect(),
+                                lp,
+                            ),
+                            None => ChatChoice::new(i as u32, c.text, lp, finish),
+                        }
                     })
                     .collect();
                 ok_json(&ChatCompletionResponse::new(
@@ -480,6 +523,70 @@ impl Output {
         }
     }
 
+    /// The chunks of a chat stream whose tool calls are parsed out: text as content (held while
+    /// it may open a call), each whole call as one tool-call delta with its id, name and
+    /// arguments, and `finish_reason` `tool_calls` when the output was calls.
+    fn tool_chunks(
+        &self,
+        index: u32,
+        text: &str,
+        finish: Option<FinishReason>,
+        lps: Vec<(u32, usize, TokenLogprobs)>,
+        first: bool,
+        calls: &mut ToolCallStream,
+    ) -> String {
+        let mut pieces = calls.push(text, &self.tools);
+        if finish.is_some() {
+            pieces.extend(calls.finish());
+        }
+        let mut choices = Vec::new();
+        if first {
+            choices.push(ChatChunkChoice::role(index));
+        }
+        let mut lps = (!lps.is_empty()).then(|| self.chat_logprobs(&lps));
+        for piece in pieces {
+            choices.push(match piece {
+                StreamPiece::Content(c) => ChatChunkChoice::content(index, c, lps.take()),
+                StreamPiece::Call(c) => {
+                    let call = ToolCall::function(&c.name, &c.arguments);
+                    ChatChunkChoice::tool_calls(
+                        index,
+                        vec![ToolCallDelta {
+                            index: calls.calls() as u32 - 1,
+                            id: Some(call.id),
+                            type_: Some(call.type_),
+                            function: FunctionDelta {
+                                name: Some(call.function.name),
+                                arguments: Some(call.function.arguments),
+                            },
+                        }],
+                    )
+                }
+            });
+        }
+        if let Some(reason) = finish {
+            let reason = match reason {
+                FinishReason::Stop if calls.calls() > 0 => FinishReason::ToolCalls,
+                r => r,
+            };
+            let mut c = ChatChunkChoice::finish(index, String::new(), reason);
+            c.logprobs = lps.take();
+            choices.push(c);
+        }
+        let model = &self.state.model_id;
+        choices
+            .into_iter()
+            .map(|c| {
+                sse_event(&ChatCompletionChunk::new(
+                    &self.id,
+                    self.created,
+                    model,
+                    vec![c],
+                ))
+            })
+            .collect()
+    }
+
     async fn stream(
         self,
         mut rx: mpsc::Receiver<Event>,
@@ -489,6 +596,7 @@ impl Output {
         stalled: oneshot::Receiver<()>,
     ) {
         let mut stalled = Some(stalled);
+        let mut tool_streams = vec![ToolCallStream::default(); self.n as usize];
         let mut started = vec![false; self.n as usize];
         let mut offsets = vec![0usize; self.n as usize];
         loop {
@@ -522,7 +630,10 @@ impl Output {
                     }
                     *offset += text.len();
                     let first = !std::mem::replace(was_started, true);
-                    self.chunk(index, text, finish, lps, first)
+                    match tool_streams.get_mut(i).filter(|_| !self.tools.is_empty()) {
+                        Some(calls) => self.tool_chunks(index, &text, finish, lps, first, calls),
+                        None => self.chunk(index, text, finish, lps, first),
+                    }
                 }
                 Some(Event::Done {
                     prompt_tokens,

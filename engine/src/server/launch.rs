@@ -5,6 +5,7 @@ use super::config::EngineConfig;
 use super::ServerState;
 use crate::kv::{KvCacheManager, KvConfig};
 use crate::model::{Llama, LoadOptions, ModelConfig, ModelError};
+use crate::sampling::GrammarCompiler;
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::stats::Stats;
 use crate::worker::{EngineThread, Worker, DEFAULT_STALL_AFTER};
@@ -126,6 +127,18 @@ fn start_on<B: Backend + 'static>(
     eos.extend(renderer.eos_token_id());
     eos.sort_unstable();
     eos.dedup();
+    let grammars = match GrammarCompiler::from_dir(
+        dir,
+        renderer.clone(),
+        model_config.vocab_size,
+        &eos,
+    ) {
+        Ok(g) => Some(Arc::new(g)),
+        Err(reason) => {
+            tracing::warn!(%reason, "structured outputs are off: the tokenizer could not be read for grammars");
+            None
+        }
+    };
     let (tx, rx) = std::sync::mpsc::channel();
     let worker = Worker::new(
         sched,
@@ -144,6 +157,7 @@ fn start_on<B: Backend + 'static>(
         context_len: model_config.max_position_embeddings,
         vocab_size: model_config.vocab_size,
         renderer,
+        grammars,
         commands: tx,
         engine,
         metrics,

@@ -189,6 +189,20 @@ fn render_stats(m: &EngineStats) -> String {
          while its output buffer stayed full for the stall timeout.",
         m.stalled_clients,
     );
+    scalar(
+        &mut o,
+        "kvgate_grammar_masks_total",
+        "counter",
+        "Token masks computed for constrained outputs (one per constrained sample per step).",
+        m.grammar_masks,
+    );
+    scalar(
+        &mut o,
+        "kvgate_grammar_mask_seconds_total",
+        "counter",
+        "Time spent computing those masks, beside the forward passes.",
+        m.grammar_mask_seconds,
+    );
     for (name, help, h) in [
         (
             "kvgate_time_to_first_token_seconds",

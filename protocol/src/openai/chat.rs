@@ -2,12 +2,15 @@
 //! and its validation into a [`ChatInput`], whose messages go to the chat template
 //! ([`crate::prompt::PromptRenderer`]).
 //!
-//! Text parts of one message are joined with newlines, as vLLM does. Tools, non-text content and
-//! structured output are rejected, not ignored: silently dropping them would answer a different
-//! question than the one asked. O(body) to parse and validate.
+//! Text parts of one message are joined with newlines, as vLLM does. Non-text content is
+//! rejected, not ignored: silently dropping it would answer a different question than the one
+//! asked. Tools, tool calls and tool results are rendered into the messages' text, and
+//! `response_format` / `tool_choice` become the output's grammar ([`super::structured`]).
+//! O(body) to parse and validate.
 
 use super::error::ApiError;
 use super::params::{Limits, SamplingParams, Stop, StreamOptions};
+use super::structured::{self, RequestToolCall, Structured, ToolChoice};
 use super::validate::RawSampling;
 use crate::prompt::ChatMessage;
 use serde::{Deserialize, Serialize};
@@ -25,6 +28,12 @@ pub struct RequestMessage {
     pub content: Option<MessageContent>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An assistant message's tool calls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<RequestToolCall>>,
+    /// A tool message's call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl RequestMessage {
@@ -33,7 +42,7 @@ impl RequestMessage {
         RequestMessage {
             role: role.to_owned(),
             content: Some(MessageContent::Text(content.to_owned())),
-            name: None,
+            ..Default::default()
         }
     }
 }
@@ -122,12 +131,15 @@ pub struct ChatCompletionRequest {
     pub stream_options: Option<StreamOptions>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
-    /// Rejected when non-empty (unless `tool_choice` is `"none"`).
+    /// Function tools ([`structured::tools`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_choice: Option<serde_json::Value>,
-    /// Only `{"type":"text"}` is served.
+    /// With required tool calls: more than one call allowed (the default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallel_tool_calls: Option<bool>,
+    /// `text`, `json_object`, `json_schema`, `regex` or `lark` ([`structured::response_format`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub response_format: Option<serde_json::Value>,
 }
@@ -142,6 +154,8 @@ pub struct ChatInput {
     pub stream: bool,
     /// Streaming only: end with a usage chunk.
     pub include_usage: bool,
+    /// The tools whose calls are parsed out of the output (the grammar is in `params`).
+    pub structured: Structured,
 }
 
 impl ChatCompletionRequest {
@@ -163,24 +177,33 @@ impl ChatCompletionRequest {
                 "Invalid 'messages': expected at least one message, but got an empty array.",
             ));
         }
-        let messages = self
+        let mut messages = self
             .messages
             .iter()
             .enumerate()
             .map(|(i, m)| flatten_message(i, m))
             .collect::<Result<Vec<_>, _>>()?;
-        self.check_unsupported()?;
         if self.top_logprobs.is_some() && self.logprobs != Some(true) {
             return Err(ApiError::invalid_value(
                 "top_logprobs",
                 "Invalid 'top_logprobs': 'logprobs' must be true when 'top_logprobs' is set.",
             ));
         }
-        let params = self.raw().validate(limits)?;
+        let mut params = self.raw().validate(limits)?;
+        let structured = self.structured(&mut messages)?;
+        if structured.grammar.is_some() && params.ignore_eos {
+            return Err(ApiError::invalid_value(
+                "ignore_eos",
+                "Invalid 'ignore_eos': a constrained output (response_format or required tool \
+                 calls) ends where its grammar does.",
+            ));
+        }
+        params.grammar = structured.grammar.clone();
         let stream = self.stream.unwrap_or(false);
         Ok(ChatInput {
             messages,
             params,
+            structured,
             stream,
             include_usage: stream
                 && self
@@ -191,29 +214,47 @@ impl ChatCompletionRequest {
         })
     }
 
-    fn check_unsupported(&self) -> Result<(), ApiError> {
-        let no_tools = match &self.tools {
-            None | Some(serde_json::Value::Null) => true,
-            Some(serde_json::Value::Array(a)) => a.is_empty(),
-            Some(_) => false,
-        };
-        let choice_none = self.tool_choice.as_ref().and_then(|c| c.as_str()) == Some("none");
-        if !no_tools && !choice_none {
-            return Err(ApiError::unsupported(
-                "tools",
-                "Tool calling is not supported.",
-            ));
+    /// The output's grammar and tools; renders the tools into the system turn when the model
+    /// may call them.
+    fn structured(&self, messages: &mut Vec<ChatMessage>) -> Result<Structured, ApiError> {
+        let tools = structured::tools(self.tools.as_ref())?;
+        let choice = structured::tool_choice(self.tool_choice.as_ref(), &tools)?;
+        let format = structured::response_format(self.response_format.as_ref())?;
+        if choice == ToolChoice::None {
+            return Ok(Structured {
+                grammar: format,
+                tools: Vec::new(),
+            });
         }
-        let format = self.response_format.as_ref().filter(|f| !f.is_null());
-        if let Some(f) = format {
-            if f.get("type").and_then(|t| t.as_str()) != Some("text") {
+        structured::add_tools_to_system(messages, &tools);
+        let parallel = self.parallel_tool_calls.unwrap_or(true);
+        let grammar = match (&choice, format) {
+            (ToolChoice::Auto, None) => None,
+            (ToolChoice::Auto, Some(structured::Grammar::JsonSchema(answer))) => {
+                Some(structured::tool_call_grammar(
+                    &tools.iter().collect::<Vec<_>>(),
+                    parallel,
+                    Some(&answer),
+                ))
+            }
+            (_, Some(_)) => {
                 return Err(ApiError::unsupported(
                     "response_format",
-                    "Only response_format {\"type\": \"text\"} is supported.",
-                ));
+                    "Invalid 'response_format': with tools, only text and JSON formats are \
+                     served, and only when 'tool_choice' is \"auto\".",
+                ))
             }
-        }
-        Ok(())
+            (ToolChoice::Function(name), None) => {
+                let only: Vec<_> = tools.iter().filter(|t| &t.name == name).collect();
+                Some(structured::tool_call_grammar(&only, false, None))
+            }
+            (_, None) => Some(structured::tool_call_grammar(
+                &tools.iter().collect::<Vec<_>>(),
+                parallel,
+                None,
+            )),
+        };
+        Ok(Structured { grammar, tools })
     }
 
     fn raw(&self) -> RawSampling<'_> {
@@ -257,7 +298,7 @@ fn flatten_message(i: usize, m: &RequestMessage) -> Result<ChatMessage, ApiError
             ),
         ));
     }
-    let content = match &m.content {
+    let mut content = match &m.content {
         Some(MessageContent::Text(s)) => s.clone(),
         Some(MessageContent::Parts(parts)) => join_parts(i, parts)?,
         None if m.role == "assistant" => String::new(),
@@ -271,6 +312,20 @@ fn flatten_message(i: usize, m: &RequestMessage) -> Result<ChatMessage, ApiError
             ))
         }
     };
+    if let Some(calls) = m.tool_calls.as_deref().filter(|c| !c.is_empty()) {
+        if m.role != "assistant" {
+            return Err(ApiError::invalid_value(
+                format!("messages[{i}].tool_calls"),
+                format!(
+                    "Invalid 'messages[{i}].tool_calls': only assistant messages have tool calls."
+                ),
+            ));
+        }
+        content = structured::render_tool_calls(&content, calls);
+    }
+    if m.role == "tool" {
+        content = structured::render_tool_result(&content);
+    }
     Ok(ChatMessage {
         role: m.role.clone(),
         content,

@@ -138,6 +138,9 @@ pub struct SamplingParams {
     pub logprobs: Option<u32>,
     /// Keep generating past EOS.
     pub ignore_eos: bool,
+    /// The grammar the whole output must match (structured outputs, required tool calls).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grammar: Option<super::structured::Grammar>,
 }
 
 impl Default for SamplingParams {
@@ -160,6 +163,7 @@ impl Default for SamplingParams {
             n: 1,
             logprobs: None,
             ignore_eos: false,
+            grammar: None,
         }
     }
 }

@@ -14,6 +14,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` (or the context) was reached.
     Length,
+    /// The output is tool calls (chat only).
+    ToolCalls,
 }
 
 /// Token counts of a request; on every response.
@@ -176,7 +178,59 @@ pub struct ChatLogprobs {
 pub struct AssistantMessage {
     /// `"assistant"`.
     pub role: String,
-    pub content: String,
+    /// `null` when the message is only tool calls.
+    pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+}
+
+/// A tool call in a response: `arguments` is the arguments object serialized, as OpenAI sends it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    pub id: String,
+    /// `"function"`.
+    #[serde(rename = "type")]
+    pub type_: String,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    pub name: String,
+    pub arguments: String,
+}
+
+impl ToolCall {
+    /// A function call with a fresh id (`call_` and 24 random letters and digits).
+    pub fn function(name: &str, arguments: &str) -> Self {
+        ToolCall {
+            id: new_call_id(),
+            type_: "function".to_owned(),
+            function: FunctionCall {
+                name: name.to_owned(),
+                arguments: arguments.to_owned(),
+            },
+        }
+    }
+}
+
+/// A tool call id: `call_` and 24 characters of `[A-Za-z0-9]`, from the process's random state.
+pub fn new_call_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut id = String::from("call_");
+    let mut bits = 0u64;
+    for i in 0..24 {
+        if i % 8 == 0 {
+            // RandomState is seeded from the OS per instance.
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_usize(i);
+            bits = h.finish();
+        }
+        id.push(ALPHABET[(bits % ALPHABET.len() as u64) as usize] as char);
+        bits /= ALPHABET.len() as u64;
+    }
+    id
 }
 
 /// One choice of a chat completion.
@@ -200,10 +254,32 @@ impl ChatChoice {
             index,
             message: AssistantMessage {
                 role: "assistant".to_owned(),
-                content,
+                content: Some(content),
+                tool_calls: Vec::new(),
             },
             logprobs,
             finish_reason,
+        }
+    }
+}
+
+impl ChatChoice {
+    /// Choice `index` answered with tool calls (and any text before them, `None` when empty).
+    pub fn tool_calls(
+        index: u32,
+        content: Option<String>,
+        calls: Vec<ToolCall>,
+        logprobs: Option<ChatLogprobs>,
+    ) -> Self {
+        ChatChoice {
+            index,
+            message: AssistantMessage {
+                role: "assistant".to_owned(),
+                content,
+                tool_calls: calls,
+            },
+            logprobs,
+            finish_reason: FinishReason::ToolCalls,
         }
     }
 }

@@ -61,6 +61,28 @@ pub struct Delta {
     pub role: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallDelta>,
+}
+
+/// A streamed piece of tool call `index`: the first carries its id, type and name, the later
+/// ones more of its arguments.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCallDelta {
+    pub index: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub type_: Option<String>,
+    pub function: FunctionDelta,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionDelta {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<String>,
 }
 
 /// One choice of a chat chunk.
@@ -80,6 +102,7 @@ impl ChatChunkChoice {
             delta: Delta {
                 role: Some("assistant".to_owned()),
                 content: Some(String::new()),
+                tool_calls: Vec::new(),
             },
             logprobs: None,
             finish_reason: None,
@@ -93,6 +116,7 @@ impl ChatChunkChoice {
             delta: Delta {
                 role: None,
                 content: Some(text),
+                tool_calls: Vec::new(),
             },
             logprobs,
             finish_reason: None,
@@ -106,9 +130,25 @@ impl ChatChunkChoice {
             delta: Delta {
                 role: None,
                 content: (!text.is_empty()).then_some(text),
+                tool_calls: Vec::new(),
             },
             logprobs: None,
             finish_reason: Some(reason),
+        }
+    }
+}
+
+impl ChatChunkChoice {
+    /// Tool call deltas of choice `index`.
+    pub fn tool_calls(index: u32, calls: Vec<ToolCallDelta>) -> Self {
+        ChatChunkChoice {
+            index,
+            delta: Delta {
+                tool_calls: calls,
+                ..Delta::default()
+            },
+            logprobs: None,
+            finish_reason: None,
         }
     }
 }

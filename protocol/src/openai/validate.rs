@@ -192,6 +192,7 @@ impl RawSampling<'_> {
             n,
             logprobs,
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            grammar: None,
         };
         if f64::from(temperature) < GREEDY_EPSILON {
             params.temperature = 0.0;

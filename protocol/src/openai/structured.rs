@@ -1,0 +1,847 @@
+//! Structured outputs and tool calling: `response_format`, `tools`, `tool_choice` and
+//! `parallel_tool_calls`, checked here (the same rules in the gateway and the engine) and turned
+//! into a [`Grammar`] that the engine compiles into per-token masks, so that the output always
+//! parses and always matches.
+//!
+//! - `response_format`: `{"type":"text"}` (no constraint), `{"type":"json_object"}` (any JSON
+//!   object), `{"type":"json_schema","json_schema":{"name","schema","strict"}}` (JSON matching the
+//!   schema), and two kvgate extensions: `{"type":"regex","regex":"..."}` (the whole output
+//!   matches the regular expression) and `{"type":"lark","lark":"..."}` (a context-free grammar
+//!   in llguidance's Lark dialect, with `%json {schema}` allowed as a rule).
+//! - `tools`: function tools, rendered into the system turn in the format documented in
+//!   `docs/structured-outputs.md` ([`TOOLS_PREAMBLE`]), so a tenant's repeated tool definitions
+//!   are a cached prefix like any system prompt. The model answers with
+//!   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, which the engine parses
+//!   into OpenAI's `tool_calls` ([`parse_tool_calls`]).
+//! - `tool_choice`: `"none"` (tools are not rendered), `"auto"` (rendered, output free),
+//!   `"required"` or `{"type":"function","function":{"name":...}}` (output constrained to calls of
+//!   the allowed tools with arguments matching their schemas).
+//!
+//! Every shape error is a 400 naming the field. Schemas are bounded in size and depth
+//! ([`MAX_SCHEMA_BYTES`], [`MAX_SCHEMA_DEPTH`]); what a schema asks that the compiler cannot do is
+//! the engine's 400 when it compiles it.
+
+use super::error::ApiError;
+use crate::prompt::ChatMessage;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Map, Value};
+
+/// Largest schema (or grammar, or regex), serialized, in bytes.
+pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
+/// Deepest nesting of arrays and objects in a schema.
+pub const MAX_SCHEMA_DEPTH: usize = 32;
+/// Most calls in one constrained answer with `parallel_tool_calls`: a small model that may write
+/// another call after each one would otherwise repeat calls until `max_tokens`.
+pub const MAX_PARALLEL_CALLS: usize = 4;
+/// Most tools a request may define.
+pub const MAX_TOOLS: usize = 128;
+/// Longest tool or schema name (OpenAI's limit).
+pub const MAX_NAME_LEN: usize = 64;
+
+/// A constraint on the whole output, compiled by the engine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Grammar {
+    /// One JSON value matching the schema.
+    JsonSchema(Value),
+    /// Text matching the regular expression, whole.
+    Regex(String),
+    /// A Lark grammar (llguidance's dialect).
+    Lark(String),
+}
+
+impl Grammar {
+    /// A stable key for caching the compiled grammar.
+    pub fn cache_key(&self) -> String {
+        match self {
+            Grammar::JsonSchema(s) => format!("json:{s}"),
+            Grammar::Regex(r) => format!("regex:{r}"),
+            Grammar::Lark(l) => format!("lark:{l}"),
+        }
+    }
+
+    /// The request field the grammar came from, for errors.
+    pub fn param(&self) -> &'static str {
+        match self {
+            Grammar::Lark(l) if l.contains(TOOL_CALL_OPEN_LARK) => "tools",
+            _ => "response_format",
+        }
+    }
+}
+
+/// How JSON is laid out in constrained output: `json.dumps` style, one space after `,` and `:`,
+/// no other whitespace (a small model given free whitespace at temperature 1 may never stop).
+const JSON_LAYOUT: &str =
+    r#"{"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}"#;
+
+fn json_layout() -> Value {
+    serde_json::from_str(JSON_LAYOUT).expect("valid layout")
+}
+
+/// A schema with kvgate's JSON layout; a client's own `x-guidance` options are dropped (the
+/// layout is the server's to set).
+fn with_layout(schema: &Value) -> Value {
+    match schema {
+        Value::Object(o) => {
+            let mut o = o.clone();
+            o.insert("x-guidance".into(), json_layout());
+            Value::Object(o)
+        }
+        // `true` and `false` are schemas too: any value, no value.
+        Value::Bool(true) => json!({"x-guidance": json_layout()}),
+        other => other.clone(),
+    }
+}
+
+/// One function tool.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Tool {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// A JSON schema of the arguments object; `None` takes any object.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<Value>,
+}
+
+impl Tool {
+    /// The schema a call of this tool must match: `{"name": <name>, "arguments": <parameters>}`.
+    fn call_schema(&self) -> Value {
+        let arguments = self
+            .parameters
+            .clone()
+            .unwrap_or_else(|| json!({"type": "object"}));
+        json!({
+            "type": "object",
+            "properties": {"name": {"const": self.name}, "arguments": arguments},
+            "required": ["name", "arguments"],
+            "additionalProperties": false,
+        })
+    }
+
+    /// The tool as rendered in the prompt.
+    fn rendered(&self) -> Value {
+        let mut f = Map::new();
+        f.insert("name".into(), Value::String(self.name.clone()));
+        if let Some(d) = &self.description {
+            f.insert("description".into(), Value::String(d.clone()));
+        }
+        if let Some(p) = &self.parameters {
+            f.insert("parameters".into(), p.clone());
+        }
+        json!({"type": "function", "function": f})
+    }
+}
+
+/// Which tools the model may, or must, call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ToolChoice {
+    None,
+    Auto,
+    Required,
+    Function(String),
+}
+
+/// The validated structured-output part of a chat request.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Structured {
+    /// The output constraint, if any.
+    pub grammar: Option<Grammar>,
+    /// Tools the output may call: tool calls are parsed out of the output when non-empty.
+    pub tools: Vec<Tool>,
+}
+
+impl Structured {
+    /// Whether tool calls are parsed from the output.
+    pub fn parses_tool_calls(&self) -> bool {
+        !self.tools.is_empty()
+    }
+}
+
+/// The opening and closing of a tool call in the output.
+pub const TOOL_CALL_OPEN: &str = "<tool_call>";
+pub const TOOL_CALL_CLOSE: &str = "</tool_call>";
+const TOOL_CALL_OPEN_LARK: &str = "\"<tool_call>\\n\"";
+
+/// The text before the tool definitions in the system turn.
+pub const TOOLS_PREAMBLE: &str = "# Tools\n\nYou may call one or more functions to assist with \
+the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n\
+<tools>\n";
+
+/// The text after them.
+pub const TOOLS_POSTAMBLE: &str = "</tools>\n\nFor each function call, return a json object \
+with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n\
+{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>";
+
+fn bad(param: &str, message: impl Into<String>) -> ApiError {
+    ApiError::invalid_value(param, message)
+}
+
+/// Checks a name: 1 to 64 of `a-z A-Z 0-9 _ -`.
+fn check_name(param: &str, name: &str) -> Result<(), ApiError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_NAME_LEN
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(bad(
+            param,
+            format!(
+                "Invalid '{param}': {name:?} must be 1 to {MAX_NAME_LEN} characters of a-z, A-Z, \
+                 0-9, underscores and dashes."
+            ),
+        ))
+    }
+}
+
+/// Checks a schema's size and depth, and that it is an object or a boolean.
+fn check_schema(param: &str, schema: &Value) -> Result<(), ApiError> {
+    if !matches!(schema, Value::Object(_) | Value::Bool(_)) {
+        return Err(bad(
+            param,
+            format!("Invalid '{param}': a JSON schema is an object (or true / false)."),
+        ));
+    }
+    let size = serde_json::to_string(schema).map_or(usize::MAX, |s| s.len());
+    if size > MAX_SCHEMA_BYTES {
+        return Err(bad(
+            param,
+            format!(
+                "Invalid '{param}': the schema is {size} bytes; the limit is {MAX_SCHEMA_BYTES}."
+            ),
+        ));
+    }
+    if depth(schema) > MAX_SCHEMA_DEPTH {
+        return Err(bad(
+            param,
+            format!("Invalid '{param}': the schema nests deeper than {MAX_SCHEMA_DEPTH} levels."),
+        ));
+    }
+    Ok(())
+}
+
+/// Nesting depth of arrays and objects, without recursion (a hostile body can nest as deep as
+/// the JSON parser allows).
+fn depth(v: &Value) -> usize {
+    let mut deepest = 0;
+    let mut stack = vec![(v, 1usize)];
+    while let Some((v, d)) = stack.pop() {
+        let children: Box<dyn Iterator<Item = &Value>> = match v {
+            Value::Array(a) => Box::new(a.iter()),
+            Value::Object(o) => Box::new(o.values()),
+            _ => continue,
+        };
+        deepest = deepest.max(d);
+        stack.extend(children.map(|c| (c, d + 1)));
+    }
+    deepest
+}
+
+fn check_text(param: &str, text: &str) -> Result<(), ApiError> {
+    if text.is_empty() {
+        return Err(bad(param, format!("Invalid '{param}': it is empty.")));
+    }
+    if text.len() > MAX_SCHEMA_BYTES {
+        return Err(bad(
+            param,
+            format!(
+                "Invalid '{param}': it is {} bytes; the limit is {MAX_SCHEMA_BYTES}.",
+                text.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn str_field<'a>(o: &'a Map<String, Value>, key: &str, param: &str) -> Result<&'a str, ApiError> {
+    match o.get(key) {
+        Some(Value::String(s)) => Ok(s),
+        Some(_) => Err(bad(param, format!("Invalid '{param}': expected a string."))),
+        None => Err(bad(
+            param,
+            format!("Missing required parameter: '{param}'."),
+        )),
+    }
+}
+
+/// `response_format` as a grammar (`None` for text).
+pub fn response_format(format: Option<&Value>) -> Result<Option<Grammar>, ApiError> {
+    let Some(format) = format.filter(|f| !f.is_null()) else {
+        return Ok(None);
+    };
+    let Value::Object(o) = format else {
+        return Err(bad(
+            "response_format",
+            "Invalid 'response_format': expected an object with a 'type'.",
+        ));
+    };
+    let kind = str_field(o, "type", "response_format.type")?;
+    match kind {
+        "text" => Ok(None),
+        "json_object" => Ok(Some(Grammar::JsonSchema(with_layout(
+            &json!({"type": "object"}),
+        )))),
+        "json_schema" => {
+            let Some(Value::Object(js)) = o.get("json_schema") else {
+                return Err(bad(
+                    "response_format.json_schema",
+                    "Missing required parameter: 'response_format.json_schema' (an object with \
+                     'name' and 'schema').",
+                ));
+            };
+            check_name(
+                "response_format.json_schema.name",
+                str_field(js, "name", "response_format.json_schema.name")?,
+            )?;
+            if let Some(s) = js.get("strict").filter(|s| !s.is_null() && !s.is_boolean()) {
+                return Err(bad(
+                    "response_format.json_schema.strict",
+                    format!("Invalid 'response_format.json_schema.strict': expected a boolean, got {s}."),
+                ));
+            }
+            // The schema is always enforced, strict or not.
+            let schema = js.get("schema").cloned().unwrap_or(Value::Bool(true));
+            check_schema("response_format.json_schema.schema", &schema)?;
+            Ok(Some(Grammar::JsonSchema(with_layout(&schema))))
+        }
+        "regex" => {
+            let r = str_field(o, "regex", "response_format.regex")?;
+            check_text("response_format.regex", r)?;
+            Ok(Some(Grammar::Regex(r.to_owned())))
+        }
+        "lark" => {
+            let l = str_field(o, "lark", "response_format.lark")?;
+            check_text("response_format.lark", l)?;
+            Ok(Some(Grammar::Lark(l.to_owned())))
+        }
+        other => Err(ApiError::unsupported(
+            "response_format.type",
+            format!(
+                "Invalid 'response_format.type': {other:?} is not one of text, json_object, \
+                 json_schema, regex, lark."
+            ),
+        )),
+    }
+}
+
+/// `tools` as function tools.
+pub fn tools(tools: Option<&Value>) -> Result<Vec<Tool>, ApiError> {
+    let list = match tools {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(a)) => a,
+        Some(_) => return Err(bad("tools", "Invalid 'tools': expected an array of tools.")),
+    };
+    if list.len() > MAX_TOOLS {
+        return Err(bad(
+            "tools",
+            format!(
+                "Invalid 'tools': {} tools; the limit is {MAX_TOOLS}.",
+                list.len()
+            ),
+        ));
+    }
+    let mut out: Vec<Tool> = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let p = format!("tools[{i}]");
+        let Value::Object(t) = t else {
+            return Err(bad(&p, format!("Invalid '{p}': expected an object.")));
+        };
+        let kind = str_field(t, "type", &format!("{p}.type"))?;
+        if kind != "function" {
+            return Err(ApiError::unsupported(
+                format!("{p}.type"),
+                format!("Invalid '{p}.type': only \"function\" tools are supported, got {kind:?}."),
+            ));
+        }
+        let Some(Value::Object(f)) = t.get("function") else {
+            return Err(bad(
+                &format!("{p}.function"),
+                format!("Missing required parameter: '{p}.function' (an object)."),
+            ));
+        };
+        let name = str_field(f, "name", &format!("{p}.function.name"))?;
+        check_name(&format!("{p}.function.name"), name)?;
+        if out.iter().any(|o| o.name == name) {
+            return Err(bad(
+                &format!("{p}.function.name"),
+                format!("Invalid '{p}.function.name': the tool {name:?} is defined twice."),
+            ));
+        }
+        let description = match f.get("description") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(d)) => Some(d.clone()),
+            Some(_) => {
+                return Err(bad(
+                    &format!("{p}.function.description"),
+                    format!("Invalid '{p}.function.description': expected a string."),
+                ))
+            }
+        };
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => None,
+            Some(s) => {
+                check_schema(&format!("{p}.function.parameters"), s)?;
+                Some(s.clone())
+            }
+        };
+        out.push(Tool {
+            name: name.to_owned(),
+            description,
+            parameters,
+        });
+    }
+    Ok(out)
+}
+
+/// `tool_choice`; its default is `auto` with tools and `none` without, as OpenAI's.
+pub fn tool_choice(choice: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, ApiError> {
+    let choice = match choice {
+        None | Some(Value::Null) if tools.is_empty() => ToolChoice::None,
+        None | Some(Value::Null) => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(bad(
+                    "tool_choice",
+                    format!(
+                        "Invalid 'tool_choice': {other:?} is not one of none, auto, required, or \
+                         an object naming a function."
+                    ),
+                ))
+            }
+        },
+        Some(Value::Object(o)) => {
+            let name = match o.get("function") {
+                Some(Value::Object(f)) => str_field(f, "name", "tool_choice.function.name")?,
+                _ => {
+                    return Err(bad(
+                        "tool_choice.function",
+                        "Missing required parameter: 'tool_choice.function' (an object with \
+                         'name').",
+                    ))
+                }
+            };
+            ToolChoice::Function(name.to_owned())
+        }
+        Some(_) => {
+            return Err(bad(
+                "tool_choice",
+                "Invalid 'tool_choice': expected a string or an object.",
+            ))
+        }
+    };
+    match &choice {
+        // `auto` with nothing to call is no tools at all.
+        ToolChoice::Auto if tools.is_empty() => Ok(ToolChoice::None),
+        ToolChoice::Required if tools.is_empty() => Err(bad(
+            "tool_choice",
+            "Invalid 'tool_choice': it asks for tool calls, but 'tools' is empty.",
+        )),
+        ToolChoice::Function(name) if !tools.iter().any(|t| &t.name == name) => Err(bad(
+            "tool_choice.function.name",
+            format!("Invalid 'tool_choice': the function {name:?} is not among 'tools'."),
+        )),
+        _ => Ok(choice),
+    }
+}
+
+/// The grammar of the output when the model calls tools: one or more `<tool_call>` blocks (just
+/// one unless `parallel`), each a call of one of `tools`; or, when `answer` is set (a JSON
+/// schema, with `tool_choice` `auto`), either that JSON or the calls.
+pub fn tool_call_grammar(tools: &[&Tool], parallel: bool, answer: Option<&Value>) -> Grammar {
+    let any_of: Vec<Value> = tools.iter().map(|t| t.call_schema()).collect();
+    let schema = with_layout(&json!({"anyOf": any_of}));
+    // `call ("\n" call (...)?)?`: at most MAX_PARALLEL_CALLS calls.
+    let mut calls = "call".to_owned();
+    if parallel {
+        for _ in 1..MAX_PARALLEL_CALLS {
+            calls = format!("call (\"\\n\" {calls})?");
+        }
+    }
+    let mut lark = match answer {
+        Some(a) => format!("start: answer | calls\nanswer: %json {a}\n"),
+        None => "start: calls\n".to_owned(),
+    };
+    lark.push_str(&format!(
+        "calls: {calls}\ncall: {TOOL_CALL_OPEN_LARK} body \"\\n</tool_call>\"\nbody: %json {schema}\n"
+    ));
+    Grammar::Lark(lark)
+}
+
+/// The system turn's text for `tools`.
+pub fn render_tools(tools: &[Tool]) -> String {
+    let mut out = String::from(TOOLS_PREAMBLE);
+    for t in tools {
+        out.push_str(&t.rendered().to_string());
+        out.push('\n');
+    }
+    out.push_str(TOOLS_POSTAMBLE);
+    out
+}
+
+/// The conversation with the tools in its system turn: appended to a leading system (or
+/// developer) message, or as a new system message first.
+pub fn add_tools_to_system(messages: &mut Vec<ChatMessage>, tools: &[Tool]) {
+    let text = render_tools(tools);
+    match messages.first_mut() {
+        Some(m) if m.role == "system" || m.role == "developer" => {
+            if !m.content.is_empty() {
+                m.content.push_str("\n\n");
+            }
+            m.content.push_str(&text);
+        }
+        _ => messages.insert(
+            0,
+            ChatMessage {
+                role: "system".into(),
+                content: text,
+            },
+        ),
+    }
+}
+
+/// One tool call in an assistant message of the conversation, as sent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestToolCall {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub type_: Option<String>,
+    pub function: RequestFunctionCall,
+}
+
+/// The function of a [`RequestToolCall`]: `arguments` is a JSON string, as OpenAI sends it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestFunctionCall {
+    pub name: String,
+    #[serde(default)]
+    pub arguments: String,
+}
+
+/// An assistant turn's tool calls as the model writes them.
+pub fn render_tool_calls(content: &str, calls: &[RequestToolCall]) -> String {
+    let mut out = content.to_owned();
+    for c in calls {
+        let args: Value = serde_json::from_str(&c.function.arguments)
+            .unwrap_or_else(|_| Value::String(c.function.arguments.clone()));
+        if !out.is_empty() {
+            out.push('\n');
+        }
+        out.push_str(TOOL_CALL_OPEN);
+        out.push('\n');
+        out.push_str(&json!({"name": c.function.name, "arguments": args}).to_string());
+        out.push('\n');
+        out.push_str(TOOL_CALL_CLOSE);
+    }
+    out
+}
+
+/// A tool result as the model reads it.
+pub fn render_tool_result(content: &str) -> String {
+    format!("<tool_response>\n{content}\n</tool_response>")
+}
+
+/// A tool call parsed from the output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedToolCall {
+    pub name: String,
+    /// The arguments object, serialized.
+    pub arguments: String,
+}
+
+/// The tool calls in `text` and the text before them, when `text` holds at least one
+/// well-formed call of a tool among `tools` and nothing but whitespace between and after them;
+/// `None` (the output is plain content) otherwise. A call that repeats an earlier one exactly
+/// (same tool, same arguments) is dropped: parallel calls that are the same call do nothing more.
+pub fn parse_tool_calls(text: &str, tools: &[Tool]) -> Option<(String, Vec<ParsedToolCall>)> {
+    let start = text.find(TOOL_CALL_OPEN)?;
+    let content = text[..start].trim_end().to_owned();
+    let mut rest = &text[start..];
+    let mut calls = Vec::new();
+    loop {
+        rest = rest.trim_start();
+        if rest.is_empty() {
+            break;
+        }
+        let body = rest.strip_prefix(TOOL_CALL_OPEN)?;
+        let end = body.find(TOOL_CALL_CLOSE)?;
+        let call = parse_call(&body[..end], tools)?;
+        if !calls.contains(&call) {
+            calls.push(call);
+        }
+        rest = &body[end + TOOL_CALL_CLOSE.len()..];
+    }
+    Some((content, calls))
+}
+
+fn parse_call(body: &str, tools: &[Tool]) -> Option<ParsedToolCall> {
+    let v: Value = serde_json::from_str(body.trim()).ok()?;
+    let name = v.get("name")?.as_str()?;
+    if !tools.iter().any(|t| t.name == name) {
+        return None;
+    }
+    let args = v.get("arguments")?;
+    let args = match args {
+        // Some models write the arguments as a JSON string, as the API sends them.
+        Value::String(s) => serde_json::from_str::<Value>(s).ok()?,
+        other => other.clone(),
+    };
+    if !args.is_object() {
+        return None;
+    }
+    Some(ParsedToolCall {
+        name: name.to_owned(),
+        arguments: args.to_string(),
+    })
+}
+
+/// What a streamed output becomes once tool calls are parsed out of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamPiece {
+    Content(String),
+    Call(ParsedToolCall),
+}
+
+/// Parses tool calls out of an output as it streams: text passes through as content except
+/// what may be the start of a `<tool_call>`, which is held until it is known; a whole call is
+/// one [`StreamPiece::Call`]. A block that is not a valid call goes out as content, as it would
+/// in the full response. Holds at most one call's text.
+#[derive(Debug, Clone, Default)]
+pub struct ToolCallStream {
+    held: String,
+    in_call: bool,
+    calls: Vec<ParsedToolCall>,
+}
+
+impl ToolCallStream {
+    /// Calls parsed so far.
+    pub fn calls(&self) -> usize {
+        self.calls.len()
+    }
+
+    /// Feeds more output text.
+    pub fn push(&mut self, text: &str, tools: &[Tool]) -> Vec<StreamPiece> {
+        self.held.push_str(text);
+        let mut out = Vec::new();
+        loop {
+            if self.in_call {
+                let Some(end) = self.held.find(TOOL_CALL_CLOSE) else {
+                    break;
+                };
+                let block_end = end + TOOL_CALL_CLOSE.len();
+                let block: String = self.held.drain(..block_end).collect();
+                let body = &block[TOOL_CALL_OPEN.len()..end];
+                match parse_call(body, tools) {
+                    Some(call) if self.calls.contains(&call) => {}
+                    Some(call) => {
+                        self.calls.push(call.clone());
+                        out.push(StreamPiece::Call(call));
+                    }
+                    None => out.push(StreamPiece::Content(block)),
+                }
+                self.in_call = false;
+                continue;
+            }
+            match self.held.find(TOOL_CALL_OPEN) {
+                Some(start) => {
+                    let before: String = self.held.drain(..start).collect();
+                    self.content(before, &mut out);
+                    self.in_call = true;
+                }
+                None => {
+                    // Keep back a tail that could begin `<tool_call>`.
+                    let keep = (1..TOOL_CALL_OPEN.len())
+                        .rev()
+                        .find(|&k| {
+                            self.held.len() >= k
+                                && self.held.is_char_boundary(self.held.len() - k)
+                                && TOOL_CALL_OPEN.starts_with(&self.held[self.held.len() - k..])
+                        })
+                        .unwrap_or(0);
+                    let ready: String = self.held.drain(..self.held.len() - keep).collect();
+                    self.content(ready, &mut out);
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    /// The end of the output: whatever is held goes out as content.
+    pub fn finish(&mut self) -> Vec<StreamPiece> {
+        let rest = std::mem::take(&mut self.held);
+        self.in_call = false;
+        let mut out = Vec::new();
+        self.content(rest, &mut out);
+        out
+    }
+
+    /// Content, except whitespace between and after calls.
+    fn content(&self, text: String, out: &mut Vec<StreamPiece>) {
+        let skip = text.is_empty() || (!self.calls.is_empty() && text.trim().is_empty());
+        if !skip {
+            out.push(StreamPiece::Content(text));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn weather() -> Tool {
+        Tool {
+            name: "get_weather".into(),
+            description: Some("Weather in a city".into()),
+            parameters: Some(
+                json!({"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}),
+            ),
+        }
+    }
+
+    #[test]
+    fn tool_calls_parse_out_of_the_output() {
+        let tools = [weather()];
+        let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\\\":\\\"Rome\\\"}\"}</tool_call>\n";
+        let (content, calls) = parse_tool_calls(text, &tools).unwrap();
+        assert_eq!(content, "Let me check.");
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0].arguments, r#"{"city":"Paris"}"#);
+        assert_eq!(calls[1].arguments, r#"{"city":"Rome"}"#);
+        // An unknown tool, broken JSON, an unclosed call or text after the calls: plain content.
+        for bad in [
+            "<tool_call>{\"name\":\"nope\",\"arguments\":{}}</tool_call>",
+            "<tool_call>{\"name\":\"get_weather\",\"arguments\":{</tool_call>",
+            "<tool_call>{\"name\":\"get_weather\",\"arguments\":{}}",
+            "<tool_call>{\"name\":\"get_weather\",\"arguments\":{}}</tool_call> and more",
+            "no calls",
+        ] {
+            assert_eq!(parse_tool_calls(bad, &tools), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn streamed_tool_calls_come_out_whole_and_text_passes() {
+        let tools = [weather()];
+        let text = "Sure.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>{\"name\":\"nope\",\"arguments\":{}}</tool_call>";
+        // Byte by byte (at char boundaries) and whole give the same pieces, once merged.
+        for step in [1, 3, 7, text.len()] {
+            let mut s = ToolCallStream::default();
+            let mut pieces = Vec::new();
+            let mut at = 0;
+            while at < text.len() {
+                let mut end = (at + step).min(text.len());
+                while !text.is_char_boundary(end) {
+                    end += 1;
+                }
+                pieces.extend(s.push(&text[at..end], &tools));
+                at = end;
+            }
+            pieces.extend(s.finish());
+            let mut content = String::new();
+            let mut calls = Vec::new();
+            for p in pieces {
+                match p {
+                    StreamPiece::Content(c) => content.push_str(&c),
+                    StreamPiece::Call(c) => calls.push(c),
+                }
+            }
+            assert_eq!(calls.len(), 1, "step {step}");
+            assert_eq!(calls[0].arguments, r#"{"city":"Paris"}"#);
+            assert!(content.starts_with("Sure.\n"), "{content:?}");
+            assert!(
+                content.contains("nope"),
+                "an unknown tool stays text: {content:?}"
+            );
+        }
+        let mut s = ToolCallStream::default();
+        assert_eq!(
+            s.push("a <tool", &tools),
+            vec![StreamPiece::Content("a ".into())]
+        );
+        assert_eq!(
+            s.push("box>", &tools),
+            vec![StreamPiece::Content("<toolbox>".into())]
+        );
+    }
+
+    #[test]
+    fn bad_tools_and_choices_are_400s_naming_the_field() {
+        let cases = [
+            (
+                json!([{"type":"function","function":{"name":"bad name"}}]),
+                "tools[0].function.name",
+            ),
+            (json!([{"type":"retrieval"}]), "tools[0].type"),
+            (json!([{"type":"function"}]), "tools[0].function"),
+            (
+                json!([{"type":"function","function":{"name":"a","parameters":[1]}}]),
+                "tools[0].function.parameters",
+            ),
+            (
+                json!([{"type":"function","function":{"name":"a"}},{"type":"function","function":{"name":"a"}}]),
+                "tools[1].function.name",
+            ),
+            (json!({"a":1}), "tools"),
+        ];
+        for (t, param) in cases {
+            let e = tools(Some(&t)).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{t}");
+            assert_eq!(e.status, 400);
+        }
+        let ts = tools(Some(&json!([{"type":"function","function":{"name":"a"}}]))).unwrap();
+        let e = tool_choice(
+            Some(&json!({"type":"function","function":{"name":"b"}})),
+            &ts,
+        )
+        .unwrap_err();
+        assert!(e.message.contains("\"b\""), "{}", e.message);
+        assert!(tool_choice(Some(&json!("required")), &[]).is_err());
+        assert!(tool_choice(Some(&json!("sometimes")), &ts).is_err());
+        assert_eq!(tool_choice(None, &ts).unwrap(), ToolChoice::Auto);
+        assert_eq!(tool_choice(None, &[]).unwrap(), ToolChoice::None);
+    }
+
+    #[test]
+    fn schemas_are_bounded() {
+        let mut deep = json!({"type": "string"});
+        for _ in 0..40 {
+            deep = json!({"type": "array", "items": deep});
+        }
+        let f = json!({"type":"json_schema","json_schema":{"name":"x","schema":deep}});
+        let e = response_format(Some(&f)).unwrap_err();
+        assert!(e.message.contains("deeper"), "{}", e.message);
+        let big = json!({"type":"json_schema","json_schema":{"name":"x","schema":{"description":"x".repeat(MAX_SCHEMA_BYTES)}}});
+        assert!(response_format(Some(&big))
+            .unwrap_err()
+            .message
+            .contains("bytes"));
+        for f in [
+            json!("json"),
+            json!({"type":"yaml"}),
+            json!({"type":"json_schema"}),
+            json!({"type":"json_schema","json_schema":{"name":"a b","schema":{}}}),
+            json!({"type":"json_schema","json_schema":{"name":"a","schema":"{}"}}),
+            json!({"type":"regex","regex":""}),
+        ] {
+            assert_eq!(response_format(Some(&f)).unwrap_err().status, 400, "{f}");
+        }
+        assert_eq!(
+            response_format(Some(&json!({"type":"text"}))).unwrap(),
+            None
+        );
+    }
+
+    #[test]
+    fn a_client_cannot_set_the_layout() {
+        let f = json!({"type":"json_schema","json_schema":{"name":"x","schema":{"type":"object","x-guidance":{"lenient":true}}}});
+        let Some(Grammar::JsonSchema(s)) = response_format(Some(&f)).unwrap() else {
+            panic!("a schema");
+        };
+        assert_eq!(s["x-guidance"], json_layout());
+    }
+}
