@@ -568,18 +568,54 @@ pub fn parse_tool_calls(text: &str, tools: &[Tool]) -> Option<(String, Vec<Parse
             break;
         }
         let body = rest.strip_prefix(TOOL_CALL_OPEN)?;
-        let end = body.find(TOOL_CALL_CLOSE)?;
-        let call = parse_call(&body[..end], tools)?;
+        let Scan::Call(call, end) = scan_call(body, tools) else {
+            return None;
+        };
         if !calls.contains(&call) {
             calls.push(call);
         }
-        rest = &body[end + TOOL_CALL_CLOSE.len()..];
+        rest = &body[end..];
     }
     Some((content, calls))
 }
 
-fn parse_call(body: &str, tools: &[Tool]) -> Option<ParsedToolCall> {
-    let v: Value = serde_json::from_str(body.trim()).ok()?;
+/// What follows a `<tool_call>`.
+#[derive(Debug, PartialEq)]
+enum Scan {
+    /// A call of a known tool, and the length of its text up to and with `</tool_call>`.
+    Call(ParsedToolCall, usize),
+    /// Not all of it yet.
+    Incomplete,
+    /// Not a call.
+    Invalid,
+}
+
+/// Reads a call's JSON (a string in it may hold `</tool_call>`), then its closing tag.
+fn scan_call(body: &str, tools: &[Tool]) -> Scan {
+    let mut values = serde_json::Deserializer::from_str(body).into_iter::<Value>();
+    let value = match values.next() {
+        Some(Ok(v)) => v,
+        Some(Err(e)) if e.is_eof() => return Scan::Incomplete,
+        None => return Scan::Incomplete,
+        Some(Err(_)) => return Scan::Invalid,
+    };
+    let after = &body[values.byte_offset()..];
+    let trimmed = after.trim_start();
+    let ws = after.len() - trimmed.len();
+    if !trimmed.starts_with(TOOL_CALL_CLOSE) {
+        return if TOOL_CALL_CLOSE.starts_with(trimmed) {
+            Scan::Incomplete
+        } else {
+            Scan::Invalid
+        };
+    }
+    match call_of(&value, tools) {
+        Some(call) => Scan::Call(call, values.byte_offset() + ws + TOOL_CALL_CLOSE.len()),
+        None => Scan::Invalid,
+    }
+}
+
+fn call_of(v: &Value, tools: &[Tool]) -> Option<ParsedToolCall> {
     let name = v.get("name")?.as_str()?;
     if !tools.iter().any(|t| t.name == name) {
         return None;
@@ -629,20 +665,27 @@ impl ToolCallStream {
         let mut out = Vec::new();
         loop {
             if self.in_call {
-                let Some(end) = self.held.find(TOOL_CALL_CLOSE) else {
-                    break;
-                };
-                let block_end = end + TOOL_CALL_CLOSE.len();
-                let block: String = self.held.drain(..block_end).collect();
-                let body = &block[TOOL_CALL_OPEN.len()..end];
-                match parse_call(body, tools) {
-                    Some(call) if self.calls.contains(&call) => {}
-                    Some(call) => {
-                        self.calls.push(call.clone());
-                        out.push(StreamPiece::Call(call));
+                let body = &self.held[TOOL_CALL_OPEN.len()..];
+                let end = match scan_call(body, tools) {
+                    Scan::Incomplete => break,
+                    Scan::Call(call, end) => {
+                        if !self.calls.contains(&call) {
+                            self.calls.push(call.clone());
+                            out.push(StreamPiece::Call(call));
+                        }
+                        TOOL_CALL_OPEN.len() + end
                     }
-                    None => out.push(StreamPiece::Content(block)),
-                }
+                    Scan::Invalid => {
+                        // Not a call: its text, to the closing tag if any, is content.
+                        let Some(close) = self.held.find(TOOL_CALL_CLOSE) else {
+                            break;
+                        };
+                        let end = close + TOOL_CALL_CLOSE.len();
+                        out.push(StreamPiece::Content(self.held[..end].to_owned()));
+                        end
+                    }
+                };
+                self.held.drain(..end);
                 self.in_call = false;
                 continue;
             }
@@ -712,6 +755,17 @@ mod tests {
         assert_eq!(calls.len(), 2);
         assert_eq!(calls[0].arguments, r#"{"city":"Paris"}"#);
         assert_eq!(calls[1].arguments, r#"{"city":"Rome"}"#);
+        // A string may hold the closing tag.
+        let tricky = "<tool_call>{\"name\":\"get_weather\",\"arguments\":{\"city\":\"}}</tool_call>x\"}}</tool_call>";
+        let (_, calls) = parse_tool_calls(tricky, &tools).unwrap();
+        assert_eq!(calls[0].arguments, r#"{"city":"}}</tool_call>x"}"#);
+        let mut s = ToolCallStream::default();
+        let mut pieces = Vec::new();
+        for ch in tricky.chars() {
+            pieces.extend(s.push(&ch.to_string(), &tools));
+        }
+        pieces.extend(s.finish());
+        assert_eq!(pieces, vec![StreamPiece::Call(calls[0].clone())]);
         // An unknown tool, broken JSON, an unclosed call or text after the calls: plain content.
         for bad in [
             "<tool_call>{\"name\":\"nope\",\"arguments\":{}}</tool_call>",
