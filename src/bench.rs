@@ -65,6 +65,10 @@ pub struct BenchArgs {
     api_key: Option<String>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// A `response_format` for every request (JSON, as the API takes it): measures constrained
+    /// decoding. Requests then end where the format does, not at `--max-tokens` regardless.
+    #[arg(long, value_name = "JSON")]
+    response_format: Option<String>,
     /// Label for this run in the report.
     #[arg(long)]
     label: Option<String>,
@@ -145,6 +149,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let url = args.url.as_deref().context("--url is required")?;
     let target = client::Target::parse(url, args.api_key.clone())?;
     let jobs = jobs(&args)?;
+    let format: Option<serde_json::Value> = args
+        .response_format
+        .as_deref()
+        .map(serde_json::from_str)
+        .transpose()
+        .context("--response-format is not JSON")?;
     let before = client::scrape(&target).context("reading /metrics before the run")?;
     let bar = ProgressBar::new(jobs.len() as u64);
     bar.set_style(
@@ -162,13 +172,24 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .map_err(|_| anyhow::anyhow!("poisoned"))?
         .reverse();
     let send = {
-        let (target, args, outcomes, bar) =
-            (target.clone(), args.clone(), outcomes.clone(), bar.clone());
+        let (target, args, outcomes, bar, format) = (
+            target.clone(),
+            args.clone(),
+            outcomes.clone(),
+            bar.clone(),
+            format.clone(),
+        );
         move |i: usize, job: Job| {
             let scope = args
                 .no_prefix_cache
                 .then(|| format!("bench-{}-{i}", args.seed));
-            let o = client::stream_completion(&target, &args.model, &job, scope.as_deref());
+            let o = client::stream_completion(
+                &target,
+                &args.model,
+                &job,
+                scope.as_deref(),
+                format.as_ref(),
+            );
             bar.inc(1);
             if let Ok(mut v) = outcomes.lock() {
                 v.push(o);

@@ -49,6 +49,10 @@ pub struct EngineStats {
     /// Grammar masks computed (one per constrained sample per step), and their total time.
     pub grammar_masks: u64,
     pub grammar_mask_seconds: f64,
+    /// Grammars compiled (not found in the cache), their total time, and cache hits.
+    pub grammar_compiles: u64,
+    pub grammar_compile_seconds: f64,
+    pub grammar_cache_hits: u64,
     pub ttft: Histogram,
     pub itl: Histogram,
     pub request_duration: Histogram,
@@ -95,6 +99,9 @@ impl Stats {
                 stalled_clients: 0,
                 grammar_masks: 0,
                 grammar_mask_seconds: 0.0,
+                grammar_compiles: 0,
+                grammar_compile_seconds: 0.0,
+                grammar_cache_hits: 0,
                 ttft: Histogram::new(LATENCY_BUCKETS),
                 itl: Histogram::new(LATENCY_BUCKETS),
                 request_duration: Histogram::new(DURATION_BUCKETS),

@@ -83,14 +83,25 @@ fn status_line(r: &mut BufReader<TcpStream>) -> Result<u16> {
     }
 }
 
-/// Sends one streaming completion and times its tokens.
-pub fn stream_completion(t: &Target, model: &str, job: &Job, scope: Option<&str>) -> Outcome {
+/// Sends one streaming completion and times its tokens. Without `format` it generates
+/// `max_tokens` whatever the model says; with one, it ends where the format does.
+pub fn stream_completion(
+    t: &Target,
+    model: &str,
+    job: &Job,
+    scope: Option<&str>,
+    format: Option<&serde_json::Value>,
+) -> Outcome {
     let start = Instant::now();
-    let body = serde_json::json!({
+    let mut body = serde_json::json!({
         "model": model, "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0,
         "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true},
-    })
-    .to_string();
+    });
+    if let Some(f) = format {
+        body["response_format"] = f.clone();
+        body["ignore_eos"] = false.into();
+    }
+    let body = body.to_string();
     let headers: Vec<(&str, &str)> = scope.map(|s| ("x-kvgate-scope", s)).into_iter().collect();
     let mut out = Outcome::default();
     let result = (|| -> Result<()> {

@@ -445,3 +445,40 @@ fn through_the_gateway_repeated_tools_are_a_cached_prefix() {
     let ok = post(gw.addr, Some(&key), &req("Weather in Cairo?"));
     assert_eq!(ok.status, 200, "{}", ok.body);
 }
+
+#[test]
+fn the_next_turn_after_a_call_reads_the_call_from_the_cache() {
+    let e = Engine::start("");
+    let extra =
+        json!({"tools": [weather_tool()], "tool_choice": "required", "parallel_tool_calls": false});
+    let mut messages =
+        vec![json!({"role": "user", "content": "What is the weather like in Oslo?"})];
+    let r = e.post(
+        "/v1/chat/completions",
+        &body(Value::Array(messages.clone()), extra),
+    );
+    let first = r.json();
+    let prompt = first["usage"]["prompt_tokens"].as_u64().expect("usage");
+    let completion = first["usage"]["completion_tokens"].as_u64().expect("usage");
+    let call = first["choices"][0]["message"]["tool_calls"][0].clone();
+    messages.push(json!({"role": "assistant", "content": null, "tool_calls": [call.clone()]}));
+    messages.push(
+        json!({"role": "tool", "tool_call_id": call["id"], "content": "{\"temperature\": 3}"}),
+    );
+    let r = e.post(
+        "/v1/chat/completions",
+        &body(
+            Value::Array(messages),
+            json!({"tools": [weather_tool()], "max_tokens": 4}),
+        ),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .expect("cached");
+    // The call rendered back as the model wrote it continues the same tokens: every full block
+    // of the first prompt and of the call (its last token, EOS, is the template's end of turn).
+    println!("prompt {prompt}, call {completion} tokens, cached next turn {cached}");
+    let want = (prompt + completion - 1) / 16 * 16;
+    assert!(cached >= want, "{cached} cached, {want} expected");
+}

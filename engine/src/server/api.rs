@@ -193,9 +193,18 @@ async fn compile(
         ));
     };
     let (tenant, grammar) = (tenant.to_owned(), grammar.clone());
-    tokio::task::spawn_blocking(move || compiler.compile(&tenant, &grammar))
-        .await
-        .map_err(|_| ApiError::internal("The grammar compiler failed."))?
+    let (constraint, compiled) =
+        tokio::task::spawn_blocking(move || compiler.compile(&tenant, &grammar))
+            .await
+            .map_err(|_| ApiError::internal("The grammar compiler failed."))??;
+    state.metrics.update(|m| match compiled {
+        Some(secs) => {
+            m.grammar_compiles += 1;
+            m.grammar_compile_seconds += secs;
+        }
+        None => m.grammar_cache_hits += 1,
+    });
+    Ok(constraint)
 }
 
 /// Counts a request in flight; aborts it in the engine if dropped before it finished.

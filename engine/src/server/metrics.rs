@@ -203,6 +203,27 @@ fn render_stats(m: &EngineStats) -> String {
         "Time spent computing those masks, beside the forward passes.",
         m.grammar_mask_seconds,
     );
+    scalar(
+        &mut o,
+        "kvgate_grammar_compiles_total",
+        "counter",
+        "Structured-output grammars compiled (each tenant's grammar once, while it stays cached).",
+        m.grammar_compiles,
+    );
+    scalar(
+        &mut o,
+        "kvgate_grammar_compile_seconds_total",
+        "counter",
+        "Time spent compiling those grammars, on the blocking pool.",
+        m.grammar_compile_seconds,
+    );
+    scalar(
+        &mut o,
+        "kvgate_grammar_cache_hits_total",
+        "counter",
+        "Requests whose grammar was already compiled for their tenant.",
+        m.grammar_cache_hits,
+    );
     for (name, help, h) in [
         (
             "kvgate_time_to_first_token_seconds",

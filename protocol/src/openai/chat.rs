@@ -191,14 +191,8 @@ impl ChatCompletionRequest {
         }
         let mut params = self.raw().validate(limits)?;
         let structured = self.structured(&mut messages)?;
-        if structured.grammar.is_some() && params.ignore_eos {
-            return Err(ApiError::invalid_value(
-                "ignore_eos",
-                "Invalid 'ignore_eos': a constrained output (response_format or required tool \
-                 calls) ends where its grammar does.",
-            ));
-        }
         params.grammar = structured.grammar.clone();
+        structured::check_ends(&params)?;
         let stream = self.stream.unwrap_or(false);
         Ok(ChatInput {
             messages,

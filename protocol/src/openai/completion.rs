@@ -181,6 +181,10 @@ pub struct CompletionRequest {
     pub stream_options: Option<StreamOptions>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
+    /// A kvgate extension on this endpoint (vLLM has it too): the chat endpoint's formats
+    /// ([`super::structured::response_format`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_format: Option<serde_json::Value>,
 }
 
 /// A validated completion request.
@@ -230,6 +234,8 @@ impl CompletionRequest {
         }
         let mut params = self.raw().validate(limits)?;
         params.max_tokens = params.max_tokens.or(Some(DEFAULT_COMPLETION_MAX_TOKENS));
+        params.grammar = super::structured::response_format(self.response_format.as_ref())?;
+        super::structured::check_ends(&params)?;
         let stream = self.stream.unwrap_or(false);
         Ok(CompletionInput {
             prompt,

@@ -118,8 +118,15 @@ impl Tool {
         })
     }
 
-    /// The tool as rendered in the prompt.
-    fn rendered(&self) -> Value {
+    /// The tool as rendered in the prompt: compact JSON with sorted keys, so the same tools give
+    /// the same text (and the same cached prefix) whatever order a client wrote them in.
+    fn rendered(&self) -> String {
+        let mut out = String::new();
+        write_sorted(&self.definition(), &mut out);
+        out
+    }
+
+    fn definition(&self) -> Value {
         let mut f = Map::new();
         f.insert("name".into(), Value::String(self.name.clone()));
         if let Some(d) = &self.description {
@@ -326,6 +333,18 @@ pub fn response_format(format: Option<&Value>) -> Result<Option<Grammar>, ApiErr
     }
 }
 
+/// A constrained output ends where its grammar does: `ignore_eos` would run it past the end.
+pub fn check_ends(params: &super::params::SamplingParams) -> Result<(), ApiError> {
+    if params.grammar.is_some() && params.ignore_eos {
+        return Err(bad(
+            "ignore_eos",
+            "Invalid 'ignore_eos': a constrained output (response_format or required tool calls) \
+             ends where its grammar does.",
+        ));
+    }
+    Ok(())
+}
+
 /// `tools` as function tools.
 pub fn tools(tools: Option<&Value>) -> Result<Vec<Tool>, ApiError> {
     let list = match tools {
@@ -476,7 +495,7 @@ pub fn tool_call_grammar(tools: &[&Tool], parallel: bool, answer: Option<&Value>
 pub fn render_tools(tools: &[Tool]) -> String {
     let mut out = String::from(TOOLS_PREAMBLE);
     for t in tools {
-        out.push_str(&t.rendered().to_string());
+        out.push_str(&t.rendered());
         out.push('\n');
     }
     out.push_str(TOOLS_POSTAMBLE);
@@ -526,14 +545,21 @@ pub struct RequestFunctionCall {
 pub fn render_tool_calls(content: &str, calls: &[RequestToolCall]) -> String {
     let mut out = content.to_owned();
     for c in calls {
-        let args: Value = serde_json::from_str(&c.function.arguments)
-            .unwrap_or_else(|_| Value::String(c.function.arguments.clone()));
+        // As the model writes a call (the constrained layout), keys in the order sent, so that
+        // a conversation's next turn repeats the tokens of the call it made.
+        let args = match serde_json::from_str::<Value>(&c.function.arguments) {
+            Ok(_) => relayout(&c.function.arguments, ", ", ": "),
+            Err(_) => Value::String(c.function.arguments.clone()).to_string(),
+        };
         if !out.is_empty() {
             out.push('\n');
         }
         out.push_str(TOOL_CALL_OPEN);
         out.push('\n');
-        out.push_str(&json!({"name": c.function.name, "arguments": args}).to_string());
+        out.push_str(&format!(
+            "{{\"name\": {}, \"arguments\": {args}}}",
+            Value::String(c.function.name.clone())
+        ));
         out.push('\n');
         out.push_str(TOOL_CALL_CLOSE);
     }
@@ -592,13 +618,14 @@ enum Scan {
 
 /// Reads a call's JSON (a string in it may hold `</tool_call>`), then its closing tag.
 fn scan_call(body: &str, tools: &[Tool]) -> Scan {
-    let mut values = serde_json::Deserializer::from_str(body).into_iter::<Value>();
-    let value = match values.next() {
-        Some(Ok(v)) => v,
+    let mut values = serde_json::Deserializer::from_str(body).into_iter::<serde::de::IgnoredAny>();
+    match values.next() {
+        Some(Ok(_)) => {}
         Some(Err(e)) if e.is_eof() => return Scan::Incomplete,
         None => return Scan::Incomplete,
         Some(Err(_)) => return Scan::Invalid,
-    };
+    }
+    let value = &body[..values.byte_offset()];
     let after = &body[values.byte_offset()..];
     let trimmed = after.trim_start();
     let ws = after.len() - trimmed.len();
@@ -609,30 +636,102 @@ fn scan_call(body: &str, tools: &[Tool]) -> Scan {
             Scan::Invalid
         };
     }
-    match call_of(&value, tools) {
+    match call_of(value, tools) {
         Some(call) => Scan::Call(call, values.byte_offset() + ws + TOOL_CALL_CLOSE.len()),
         None => Scan::Invalid,
     }
 }
 
-fn call_of(v: &Value, tools: &[Tool]) -> Option<ParsedToolCall> {
-    let name = v.get("name")?.as_str()?;
-    if !tools.iter().any(|t| t.name == name) {
+/// A call as written: its arguments kept as text, in the model's key order.
+#[derive(Deserialize)]
+struct WrittenCall<'a> {
+    name: String,
+    #[serde(borrow)]
+    arguments: &'a serde_json::value::RawValue,
+}
+
+/// The call in `text` (one JSON value), when it names one of `tools` and its arguments are an
+/// object (or a JSON string holding one, as the API sends them). The arguments come back
+/// compact, keys in the order written.
+fn call_of(text: &str, tools: &[Tool]) -> Option<ParsedToolCall> {
+    let call: WrittenCall<'_> = serde_json::from_str(text).ok()?;
+    if !tools.iter().any(|t| t.name == call.name) {
         return None;
     }
-    let args = v.get("arguments")?;
-    let args = match args {
-        // Some models write the arguments as a JSON string, as the API sends them.
-        Value::String(s) => serde_json::from_str::<Value>(s).ok()?,
-        other => other.clone(),
+    let raw = call.arguments.get();
+    let args = match serde_json::from_str::<Value>(raw).ok()? {
+        Value::String(s) => s,
+        Value::Object(_) => raw.to_owned(),
+        _ => return None,
     };
-    if !args.is_object() {
+    if !serde_json::from_str::<Value>(&args).ok()?.is_object() {
         return None;
     }
     Some(ParsedToolCall {
-        name: name.to_owned(),
-        arguments: args.to_string(),
+        name: call.name,
+        arguments: relayout(&args, ",", ":"),
     })
+}
+
+/// `json` (valid JSON) with no whitespace but `item` after each `,` and `key` after each `:`,
+/// outside strings; keys and values as written.
+fn relayout(json: &str, item: &str, key: &str) -> String {
+    let mut out = String::with_capacity(json.len());
+    let (mut in_string, mut escaped) = (false, false);
+    for c in json.chars() {
+        if in_string {
+            out.push(c);
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            '"' => {
+                in_string = true;
+                out.push(c);
+            }
+            ',' => out.push_str(item),
+            ':' => out.push_str(key),
+            c if c.is_whitespace() => {}
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Compact JSON with every object's keys sorted, whatever order the map keeps.
+fn write_sorted(v: &Value, out: &mut String) {
+    match v {
+        Value::Object(o) => {
+            let mut keys: Vec<&String> = o.keys().collect();
+            keys.sort();
+            out.push('{');
+            for (i, k) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push(':');
+                write_sorted(&o[k], out);
+            }
+            out.push('}');
+        }
+        Value::Array(a) => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_sorted(x, out);
+            }
+            out.push(']');
+        }
+        other => out.push_str(&other.to_string()),
+    }
 }
 
 /// What a streamed output becomes once tool calls are parsed out of it.
@@ -888,6 +987,38 @@ mod tests {
             response_format(Some(&json!({"type":"text"}))).unwrap(),
             None
         );
+    }
+
+    #[test]
+    fn calls_render_back_as_the_model_wrote_them() {
+        let tools = [weather()];
+        let written = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"unit\": \"c\", \"city\": \"Paris, France\"}}\n</tool_call>";
+        let (_, calls) = parse_tool_calls(written, &tools).unwrap();
+        // Compact, in the order written (not sorted).
+        assert_eq!(calls[0].arguments, r#"{"unit":"c","city":"Paris, France"}"#);
+        let sent = RequestToolCall {
+            id: Some("call_1".into()),
+            type_: Some("function".into()),
+            function: RequestFunctionCall {
+                name: calls[0].name.clone(),
+                arguments: calls[0].arguments.clone(),
+            },
+        };
+        assert_eq!(render_tool_calls("", &[sent]), written);
+        // Tool definitions render with sorted keys whatever order they were sent in.
+        let a = tools_from(
+            json!([{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"b":{"type":"string"},"a":{"type":"integer"}}}}}]),
+        );
+        let b = tools_from(
+            json!([{"function":{"parameters":{"properties":{"a":{"type":"integer"},"b":{"type":"string"}},"type":"object"},"name":"f"},"type":"function"}]),
+        );
+        assert_eq!(render_tools(&a), render_tools(&b));
+        assert!(render_tools(&a)
+            .contains(r#"{"function":{"name":"f","parameters":{"properties":{"a":"#));
+    }
+
+    fn tools_from(v: Value) -> Vec<Tool> {
+        tools(Some(&v)).unwrap()
     }
 
     #[test]
