@@ -20,7 +20,7 @@ pub mod penalties;
 pub mod select;
 pub mod stop;
 
-pub use grammar::{Constraint, GrammarCompiler, GrammarFailed};
+pub use grammar::{CompileGate, Constraint, GrammarCompiler, GrammarFailed};
 pub use logprobs::{TokenLogprobs, MIN_LOGPROB};
 pub use penalties::Penalties;
 pub use select::Workspace;

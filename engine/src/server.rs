@@ -40,6 +40,8 @@ pub struct ServerState {
     /// Compiles structured-output grammars; `None` when the tokenizer is not one llguidance
     /// reads (structured outputs are then refused).
     pub grammars: Option<Arc<crate::sampling::GrammarCompiler>>,
+    /// Bounds concurrent compiles, in all and per tenant.
+    pub grammar_gate: crate::sampling::CompileGate,
     pub commands: mpsc::Sender<Command>,
     /// The engine thread behind `commands`, for `/health`.
     pub engine: EngineThread,

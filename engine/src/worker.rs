@@ -16,9 +16,7 @@ pub use liveness::{EngineThread, Heartbeat, WorkerState, DEFAULT_STALL_AFTER};
 
 use crate::kv::{KvCacheManager, ScopeId};
 use crate::model::Llama;
-use crate::sampling::{
-    Constraint, GrammarFailed, Sampler, StopChecker, StopMatch, TokenLogprobs, Workspace,
-};
+use crate::sampling::{Constraint, Sampler, StopChecker, StopMatch, TokenLogprobs, Workspace};
 use crate::scheduler::{
     FinishReason as SchedFinish, GroupId, NewGroup, Scheduler, StepItem, StepPlan, TenantId,
 };
@@ -151,6 +149,9 @@ pub struct Worker<B: Backend> {
     /// The load report last published, and when.
     published_load: Option<(Instant, LoadReport)>,
 }
+
+/// Stack of the thread that computes grammar masks beside the forward pass.
+const MASK_STACK_BYTES: usize = 64 << 20;
 
 /// How often the published load report is brought up to date.
 const LOAD_REFRESH: Duration = Duration::from_millis(100);
@@ -335,30 +336,37 @@ impl<B: Backend> Worker<B> {
             return;
         }
         let started = Instant::now();
-        let mut masks = self.take_constraints(&plan);
+        let masks = self.take_constraints(&plan);
         let (logits, sampled) = if masks.is_empty() {
             self.forward(&plan)
         } else {
             // The grammar masks of this step's constrained samples are computed beside the
-            // forward pass, not after it.
-            let (out, (back, secs)) = std::thread::scope(|scope| {
-                let masker = scope.spawn(move || {
-                    let secs: f64 = masks.iter_mut().map(|(_, _, c)| c.prepare()).sum();
-                    (masks, secs)
-                });
+            // forward pass, not after it (if the thread cannot start, as each row is sampled).
+            let slot = std::sync::Mutex::new((masks, 0.0f64));
+            let out = std::thread::scope(|scope| {
+                let work = || {
+                    let mut g = slot.lock().unwrap_or_else(|p| p.into_inner());
+                    g.1 = g.0.iter_mut().map(|(_, _, c)| c.prepare()).sum();
+                };
+                let masker = std::thread::Builder::new()
+                    .name("kvgate-masks".into())
+                    .stack_size(MASK_STACK_BYTES)
+                    .spawn_scoped(scope, work);
                 let out = self.forward(&plan);
-                let back = masker
-                    .join()
-                    .unwrap_or_else(|p| std::panic::resume_unwind(p));
-                (out, back)
+                if let Ok(h) = masker {
+                    if let Err(p) = h.join() {
+                        std::panic::resume_unwind(p);
+                    }
+                }
+                out
             });
+            let (back, secs) = slot.into_inner().unwrap_or_else(|p| p.into_inner());
             let count = back.len() as u64;
             self.metrics.update(|m| {
                 m.grammar_masks += count;
                 m.grammar_mask_seconds += secs;
             });
-            masks = back;
-            self.restore_constraints(masks);
+            self.restore_constraints(back);
             out
         };
         self.cost
@@ -539,12 +547,15 @@ impl<B: Backend> Worker<B> {
             return;
         };
         let sample = &mut req.samples[index];
-        if let Some(c) = sample.constraint.as_mut() {
+        // A row with no finite logit is the model's fault, whatever the grammar: the sampler
+        // reports it as the engine's.
+        let finite = logits.iter().any(|&l| l > f32::NEG_INFINITY);
+        if let Some(c) = sample.constraint.as_mut().filter(|_| finite) {
             let masked = c.apply(logits).and_then(|()| {
                 if logits.iter().any(|&l| l > f32::NEG_INFINITY) {
                     Ok(())
                 } else {
-                    Err(GrammarFailed("no token can continue the output".into()))
+                    Err(c.failed("no token can continue the output".into(), false))
                 }
             });
             if let Err(e) = masked {

@@ -354,6 +354,26 @@ fn bad_grammars_and_tools_are_400s_and_the_engine_keeps_serving() {
         assert_eq!(err["param"], param, "{extra}: {err}");
         assert!(!err["message"].as_str().unwrap_or("").is_empty());
     }
+    // A grammar whose rules chain 5,000 deep (within the size limit): compiled on a thread with
+    // room for llguidance's recursion, answered either way, and the engine still serves.
+    let mut chain = String::from("start: r0\n");
+    for i in 0..5000 {
+        chain.push_str(&format!("r{i}: r{}\n", i + 1));
+    }
+    chain.push_str("r5000: \"ok\"\n");
+    let r = e.post(
+        "/v1/chat/completions",
+        &body(
+            user("hi"),
+            json!({"response_format": {"type": "lark", "lark": chain}}),
+        ),
+    );
+    assert!(r.status == 200 || r.status == 400, "{}", r.body);
+    println!(
+        "a 5,000-rule chain: {} {}",
+        r.status,
+        &r.body[..r.body.len().min(200)]
+    );
     let r = e.chat("What is the capital of France?", r#","max_tokens":8"#);
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(

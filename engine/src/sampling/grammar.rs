@@ -4,10 +4,12 @@
 //!
 //! - [`GrammarCompiler`]: one per engine. It holds the tokenizer's token trie (built once from
 //!   `tokenizer.json`) and a bounded cache of compiled grammars, keyed by tenant and grammar, so
-//!   that a tenant's repeated schema compiles once and a tenant cannot evict another's: at most
-//!   [`CACHE_PER_TENANT`] entries each, [`CACHE_ENTRIES`] in all, least recently used out first.
-//! - Compiling runs on the HTTP side (the blocking pool), never on the engine thread; a grammar
-//!   that does not compile, or admits no output at all, is the request's 400 before it queues.
+//!   that a tenant's repeated schema compiles once: at most [`CACHE_PER_TENANT`] entries each (a
+//!   tenant's next evicts its own oldest), [`CACHE_ENTRIES`] in all, least recently used out
+//!   first.
+//! - Compiling runs on the HTTP side, on a thread with a large stack, behind a [`CompileGate`];
+//!   never on the engine thread. A grammar that does not compile, or admits no output at all, is
+//!   the request's 400 before it queues.
 //! - The engine thread computes the masks of a step's constrained samples on a second thread
 //!   while the model runs the step's forward pass ([`crate::worker`]), so a mask costs the step
 //!   nothing unless it takes longer than the forward pass.
@@ -25,6 +27,76 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
+
+/// Bounds on one grammar's work, below llguidance's defaults where a step pays for them: each
+/// mask at most 50,000 lexer steps and 20,000 Earley items (a few milliseconds; a JSON schema's
+/// masks take about 0.1 ms), each sample's lexer at most 50,000 states (about 100 MB at worst).
+/// A grammar that needs more fails with the request's 400.
+fn limits() -> ParserLimits {
+    ParserLimits {
+        step_lexer_fuel: 50_000,
+        step_max_items: 20_000,
+        max_lexer_states: 50_000,
+        verbose_errors: false,
+        ..ParserLimits::default()
+    }
+}
+
+/// Grammars compiling at once, in all.
+pub const COMPILE_SLOTS: usize = 2;
+
+/// Bounds compiling: at most [`COMPILE_SLOTS`] grammars compile at once, and one per tenant, so
+/// a tenant whose every request brings a new schema waits behind its own compiles while others'
+/// go on. The permits live as long as the compile, even when its client has left.
+#[derive(Debug)]
+pub struct CompileGate {
+    all: Arc<tokio::sync::Semaphore>,
+    tenants: Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
+}
+
+/// A place to compile: the tenant's and one of all.
+#[derive(Debug)]
+pub struct CompilePermit {
+    _tenant: tokio::sync::OwnedSemaphorePermit,
+    _all: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Default for CompileGate {
+    fn default() -> Self {
+        CompileGate {
+            all: Arc::new(tokio::sync::Semaphore::new(COMPILE_SLOTS)),
+            tenants: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl CompileGate {
+    /// Waits for a place to compile for `tenant`.
+    pub async fn enter(&self, tenant: &str) -> CompilePermit {
+        let mine = {
+            let mut tenants = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
+            // Tenants nobody holds or waits for are dropped: the map stays as small as the
+            // compiles in progress.
+            tenants.retain(|_, s| Arc::strong_count(s) > 1);
+            tenants
+                .entry(tenant.to_owned())
+                .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(1)))
+                .clone()
+        };
+        // Neither semaphore is ever closed.
+        let tenant = mine.acquire_owned().await.expect("open semaphore");
+        let all = self
+            .all
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("open semaphore");
+        CompilePermit {
+            _tenant: tenant,
+            _all: all,
+        }
+    }
+}
 
 /// Compiled grammars kept per tenant.
 pub const CACHE_PER_TENANT: usize = 32;
@@ -51,8 +123,19 @@ impl TokenizerEnv for Vocabulary {
     }
 }
 
-/// Why a grammar could not be compiled.
+/// llguidance reports a panic it caught as an error whose text starts so: an engine bug, never
+/// the request's fault, and its text (a backtrace) is not the client's to see.
+fn is_panic(reason: &str) -> bool {
+    reason.starts_with("panic")
+}
+
+/// Why a grammar could not be compiled: the request's 400, or a 500 for a compiler panic.
 fn compile_error(grammar: &Grammar, reason: impl std::fmt::Display) -> ApiError {
+    let reason = reason.to_string();
+    if is_panic(&reason) {
+        tracing::error!(%reason, "the grammar compiler panicked");
+        return ApiError::internal("The grammar compiler failed.");
+    }
     ApiError::invalid_value(
         grammar.param(),
         format!(
@@ -61,6 +144,10 @@ fn compile_error(grammar: &Grammar, reason: impl std::fmt::Display) -> ApiError 
         ),
     )
 }
+
+/// Stack for compiling: llguidance follows a Lark grammar's rule references by recursion, and a
+/// 64 KiB grammar can chain thousands of rules.
+pub const COMPILE_STACK_BYTES: usize = 256 << 20;
 
 #[derive(Default)]
 struct Cache {
@@ -108,6 +195,8 @@ impl Cache {
 pub struct GrammarCompiler {
     factory: ParserFactory,
     cache: Mutex<Cache>,
+    /// The EOS ids: where the grammar may end, any of them may (llguidance allows only one).
+    eos: Arc<[u32]>,
 }
 
 impl std::fmt::Debug for GrammarCompiler {
@@ -141,19 +230,34 @@ impl GrammarCompiler {
         let env: TokEnv = Arc::new(Vocabulary { trie, renderer });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
         factory.quiet();
-        *factory.limits_mut() = ParserLimits {
-            verbose_errors: false,
-            ..ParserLimits::default()
-        };
+        *factory.limits_mut() = limits();
         Ok(GrammarCompiler {
             factory,
             cache: Mutex::new(Cache::default()),
+            eos: eos.into(),
         })
     }
 
     /// `grammar` compiled for `tenant`, from the cache when it was compiled before. Errors are
     /// the request's 400: a grammar that does not compile, or that admits no output.
-    /// Also returns the seconds compiling took, when it was not cached.
+    /// `grammar`, if `tenant` has it compiled already.
+    pub fn cached_for(&self, tenant: &str, grammar: &Grammar) -> Option<Constraint> {
+        let key = (tenant.to_owned(), grammar.cache_key());
+        let matcher = self.lock().get(&key)?;
+        Some(self.constraint(matcher, grammar))
+    }
+
+    fn constraint(&self, matcher: Matcher, grammar: &Grammar) -> Constraint {
+        Constraint {
+            matcher,
+            mask: None,
+            eos: self.eos.clone(),
+            param: grammar.param(),
+        }
+    }
+
+    /// Also returns the seconds compiling took, when it was not cached. Call it on a thread with
+    /// [`COMPILE_STACK_BYTES`] of stack.
     pub fn compile(
         &self,
         tenant: &str,
@@ -170,21 +274,13 @@ impl GrammarCompiler {
                 (m, Some(started.elapsed().as_secs_f64()))
             }
         };
-        Ok((
-            Constraint {
-                matcher,
-                mask: None,
-            },
-            secs,
-        ))
+        Ok((self.constraint(matcher, grammar), secs))
     }
 
     /// `grammar` compiled afresh, bypassing the cache (for measuring).
     pub fn compile_uncached(&self, grammar: &Grammar) -> Result<Constraint, ApiError> {
-        Ok(Constraint {
-            matcher: self.compile_new(grammar)?,
-            mask: None,
-        })
+        let matcher = self.compile_new(grammar)?;
+        Ok(self.constraint(matcher, grammar))
     }
 
     fn compile_new(&self, grammar: &Grammar) -> Result<Matcher, ApiError> {
@@ -230,6 +326,9 @@ pub struct Constraint {
     matcher: Matcher,
     /// The mask for the next token, once computed.
     mask: Option<Result<SimpleVob, String>>,
+    eos: Arc<[u32]>,
+    /// The request field the grammar came from, for errors.
+    param: &'static str,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -246,20 +345,34 @@ impl Clone for Constraint {
         Constraint {
             matcher: self.matcher.deep_clone(),
             mask: None,
+            eos: self.eos.clone(),
+            param: self.param,
         }
     }
 }
 
-/// A grammar that could not be followed (its parser failed): the request's 400.
+/// A grammar that could not be followed: its limits were exceeded (the request's 400), or its
+/// parser failed on a token its own mask allowed, or panicked (an engine bug: a 500).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("the output's grammar failed: {0}")]
-pub struct GrammarFailed(pub String);
+#[error("the output's grammar failed: {reason}")]
+pub struct GrammarFailed {
+    pub reason: String,
+    pub param: &'static str,
+    pub engine_fault: bool,
+}
 
 impl GrammarFailed {
     pub fn api_error(&self) -> ApiError {
+        if self.engine_fault {
+            tracing::error!(reason = %self.reason, "constrained decoding failed");
+            return ApiError::internal("Constrained decoding failed in the engine.");
+        }
         ApiError::invalid_value(
-            "response_format",
-            format!("The output's grammar could not be followed: {}", self.0),
+            self.param,
+            format!(
+                "The output's grammar could not be followed: {}",
+                self.reason
+            ),
         )
     }
 }
@@ -285,19 +398,42 @@ impl Constraint {
         }
         let mask = match self.mask.as_ref() {
             Some(Ok(m)) => m,
-            Some(Err(e)) => return Err(GrammarFailed(e.clone())),
-            None => return Err(GrammarFailed("no mask".into())),
+            Some(Err(e)) => return Err(self.failed(e.clone(), false)),
+            None => return Err(self.failed("no mask".into(), true)),
         };
+        // Where the grammar may end, every EOS id may end it (the end of turn among them).
+        let ends = self.eos.iter().any(|&t| mask.is_allowed(t));
+        let eos_logits: Vec<(usize, f32)> = self
+            .eos
+            .iter()
+            .filter_map(|&t| logits.get(t as usize).map(|&l| (t as usize, l)))
+            .collect();
         apply_mask(mask, logits);
+        if ends {
+            for (t, l) in eos_logits {
+                logits[t] = l;
+            }
+        }
         Ok(())
     }
 
-    /// Advances the grammar past the token sampled (which the mask allowed).
+    /// Advances the grammar past the token sampled (which the mask allowed: a failure here is
+    /// the engine's).
     pub fn commit(&mut self, token: u32) -> Result<(), GrammarFailed> {
         self.mask = None;
-        self.matcher
-            .consume_token(token)
-            .map_err(|e| GrammarFailed(e.to_string()))
+        match self.matcher.consume_token(token) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.failed(e.to_string(), true)),
+        }
+    }
+
+    /// A failure of this grammar; llguidance's limits are the request's, its panics the engine's.
+    pub fn failed(&self, reason: String, engine_fault: bool) -> GrammarFailed {
+        GrammarFailed {
+            engine_fault: engine_fault || is_panic(&reason),
+            reason,
+            param: self.param,
+        }
     }
 
     /// Whether the grammar is complete: nothing may follow but EOS.

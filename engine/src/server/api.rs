@@ -14,6 +14,7 @@
 
 use super::http::{self, error_response, ok_json, sse_response, stream_channel, RespBody};
 use super::ServerState;
+use crate::sampling::grammar::COMPILE_STACK_BYTES;
 use crate::sampling::{Constraint, TokenLogprobs};
 use crate::scheduler::GroupId;
 use crate::worker::{Command, Event, Submit, EVENT_BUFFER};
@@ -178,8 +179,9 @@ fn prepare(state: &ServerState, kind: Kind, body: &[u8]) -> Result<Prepared, Api
     }
 }
 
-/// Compiles a request's grammar on the blocking pool (never on the engine thread); its errors
-/// are the request's 400.
+/// A request's grammar: its tenant's compiled copy, or compiled now on a thread of its own
+/// (never the engine thread), once the tenant's and one of the engine's compile places are free.
+/// Its errors are the request's 400.
 async fn compile(
     state: &ServerState,
     tenant: &str,
@@ -192,11 +194,24 @@ async fn compile(
              for grammars.",
         ));
     };
+    if let Some(c) = compiler.cached_for(tenant, grammar) {
+        state.metrics.update(|m| m.grammar_cache_hits += 1);
+        return Ok(c);
+    }
+    let permit = state.grammar_gate.enter(tenant).await;
+    let (tx, rx) = oneshot::channel();
     let (tenant, grammar) = (tenant.to_owned(), grammar.clone());
-    let (constraint, compiled) =
-        tokio::task::spawn_blocking(move || compiler.compile(&tenant, &grammar))
-            .await
-            .map_err(|_| ApiError::internal("The grammar compiler failed."))??;
+    std::thread::Builder::new()
+        .name("kvgate-compile".into())
+        .stack_size(COMPILE_STACK_BYTES)
+        .spawn(move || {
+            let _permit = permit;
+            let _ = tx.send(compiler.compile(&tenant, &grammar));
+        })
+        .map_err(|_| ApiError::unavailable("The grammar compiler cannot start a thread."))?;
+    let (constraint, compiled) = rx
+        .await
+        .map_err(|_| ApiError::internal("The grammar compiler failed."))??;
     state.metrics.update(|m| match compiled {
         Some(secs) => {
             m.grammar_compiles += 1;
@@ -450,19 +465,23 @@ impl Output {
                     .map(|(i, c)| {
                         let lp = self.logprobs.then(|| self.chat_logprobs(&c.tokens));
                         let finish = c.finish.unwrap_or(FinishReason::Stop);
-                        let calls = (finish == FinishReason::Stop)
-                            .then(|| structured::parse_tool_calls(&c.text, &self.tools))
-                            .flatten();
-                        match calls {
-                            Some((content, calls)) => ChatChoice::tool_calls(
-                                i as u32,
-                                (!content.is_empty()).then_some(content),
-                                calls
-                                    .iter()
-                                    .map(|c| ToolCall::function(&c.name, &c.arguments))
-                                    .collect(),
-                                lp,
-                            ),
+                        match structured::parse_tool_calls(&c.text, &self.tools) {
+                            Some((content, calls)) => {
+                                let mut choice = ChatChoice::tool_calls(
+                                    i as u32,
+                                    (!content.is_empty()).then_some(content),
+                                    calls
+                                        .iter()
+                                        .map(|c| ToolCall::function(&c.name, &c.arguments))
+                                        .collect(),
+                                    lp,
+                                );
+                                // Calls cut short by max_tokens still say so, as a stream does.
+                                if finish == FinishReason::Length {
+                                    choice.finish_reason = FinishReason::Length;
+                                }
+                                choice
+                            }
                             None => ChatChoice::new(i as u32, c.text, lp, finish),
                         }
                     })
@@ -556,12 +575,12 @@ impl Output {
         for piece in pieces {
             choices.push(match piece {
                 StreamPiece::Content(c) => ChatChunkChoice::content(index, c, lps.take()),
-                StreamPiece::Call(c) => {
+                StreamPiece::Call { index: k, call: c } => {
                     let call = ToolCall::function(&c.name, &c.arguments);
                     ChatChunkChoice::tool_calls(
                         index,
                         vec![ToolCallDelta {
-                            index: calls.calls() as u32 - 1,
+                            index: k as u32,
                             id: Some(call.id),
                             type_: Some(call.type_),
                             function: FunctionDelta {

@@ -158,6 +158,7 @@ fn start_on<B: Backend + 'static>(
         vocab_size: model_config.vocab_size,
         renderer,
         grammars,
+        grammar_gate: Default::default(),
         commands: tx,
         engine,
         metrics,

@@ -579,30 +579,27 @@ pub struct ParsedToolCall {
     pub arguments: String,
 }
 
-/// The tool calls in `text` and the text before them, when `text` holds at least one
-/// well-formed call of a tool among `tools` and nothing but whitespace between and after them;
-/// `None` (the output is plain content) otherwise. A call that repeats an earlier one exactly
-/// (same tool, same arguments) is dropped: parallel calls that are the same call do nothing more.
+/// The tool calls in `text` and its other text, by the same rule as a stream
+/// ([`ToolCallStream`]): each well-formed `<tool_call>` block naming one of `tools` is a call,
+/// everything else is content (trimmed; whitespace between calls dropped). `None` when there is
+/// no call: the output is plain content. A call that repeats an earlier one exactly (same tool,
+/// same arguments) is dropped: parallel calls that are the same call do nothing more.
 pub fn parse_tool_calls(text: &str, tools: &[Tool]) -> Option<(String, Vec<ParsedToolCall>)> {
-    let start = text.find(TOOL_CALL_OPEN)?;
-    let content = text[..start].trim_end().to_owned();
-    let mut rest = &text[start..];
+    let mut stream = ToolCallStream::default();
+    let mut pieces = stream.push(text, tools);
+    pieces.extend(stream.finish());
+    let mut content = String::new();
     let mut calls = Vec::new();
-    loop {
-        rest = rest.trim_start();
-        if rest.is_empty() {
-            break;
+    for piece in pieces {
+        match piece {
+            StreamPiece::Content(c) => content.push_str(&c),
+            StreamPiece::Call { call, .. } => calls.push(call),
         }
-        let body = rest.strip_prefix(TOOL_CALL_OPEN)?;
-        let Scan::Call(call, end) = scan_call(body, tools) else {
-            return None;
-        };
-        if !calls.contains(&call) {
-            calls.push(call);
-        }
-        rest = &body[end..];
     }
-    Some((content, calls))
+    if calls.is_empty() {
+        return None;
+    }
+    Some((content.trim().to_owned(), calls))
 }
 
 /// What follows a `<tool_call>`.
@@ -738,13 +735,22 @@ fn write_sorted(v: &Value, out: &mut String) {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StreamPiece {
     Content(String),
-    Call(ParsedToolCall),
+    /// Call `index` (0, 1, ... in the order written) of the answer.
+    Call {
+        index: usize,
+        call: ParsedToolCall,
+    },
 }
+
+/// Most text held back while a call is incomplete; past it, the text goes out as content.
+pub const MAX_HELD_CALL_BYTES: usize = 64 * 1024;
 
 /// Parses tool calls out of an output as it streams: text passes through as content except
 /// what may be the start of a `<tool_call>`, which is held until it is known; a whole call is
-/// one [`StreamPiece::Call`]. A block that is not a valid call goes out as content, as it would
-/// in the full response. Holds at most one call's text.
+/// one [`StreamPiece::Call`]. A `<tool_call>` not followed by a call's JSON goes out as content
+/// at once, and scanning goes on after it; so does one whose JSON outgrows
+/// [`MAX_HELD_CALL_BYTES`]. A stream and the full response ([`parse_tool_calls`]) read the same
+/// output the same way.
 #[derive(Debug, Clone, Default)]
 pub struct ToolCallStream {
     held: String,
@@ -765,23 +771,24 @@ impl ToolCallStream {
         loop {
             if self.in_call {
                 let body = &self.held[TOOL_CALL_OPEN.len()..];
-                let end = match scan_call(body, tools) {
+                let scan = match scan_call(body, tools) {
+                    Scan::Incomplete if self.held.len() > MAX_HELD_CALL_BYTES => Scan::Invalid,
+                    scan => scan,
+                };
+                let end = match scan {
                     Scan::Incomplete => break,
                     Scan::Call(call, end) => {
                         if !self.calls.contains(&call) {
                             self.calls.push(call.clone());
-                            out.push(StreamPiece::Call(call));
+                            let index = self.calls.len() - 1;
+                            out.push(StreamPiece::Call { index, call });
                         }
                         TOOL_CALL_OPEN.len() + end
                     }
                     Scan::Invalid => {
-                        // Not a call: its text, to the closing tag if any, is content.
-                        let Some(close) = self.held.find(TOOL_CALL_CLOSE) else {
-                            break;
-                        };
-                        let end = close + TOOL_CALL_CLOSE.len();
-                        out.push(StreamPiece::Content(self.held[..end].to_owned()));
-                        end
+                        // Not a call: the tag is text, and what follows it is read afresh.
+                        out.push(StreamPiece::Content(TOOL_CALL_OPEN.to_owned()));
+                        TOOL_CALL_OPEN.len()
                     }
                 };
                 self.held.drain(..end);
@@ -864,17 +871,41 @@ mod tests {
             pieces.extend(s.push(&ch.to_string(), &tools));
         }
         pieces.extend(s.finish());
-        assert_eq!(pieces, vec![StreamPiece::Call(calls[0].clone())]);
-        // An unknown tool, broken JSON, an unclosed call or text after the calls: plain content.
+        assert_eq!(
+            pieces,
+            vec![StreamPiece::Call {
+                index: 0,
+                call: calls[0].clone()
+            }]
+        );
+        // An unknown tool, broken JSON, an unclosed call: plain content.
         for bad in [
             "<tool_call>{\"name\":\"nope\",\"arguments\":{}}</tool_call>",
             "<tool_call>{\"name\":\"get_weather\",\"arguments\":{</tool_call>",
             "<tool_call>{\"name\":\"get_weather\",\"arguments\":{}}",
-            "<tool_call>{\"name\":\"get_weather\",\"arguments\":{}}</tool_call> and more",
+            "I will use <tool_call> tags. <tool_call>not json",
             "no calls",
         ] {
             assert_eq!(parse_tool_calls(bad, &tools), None, "{bad}");
         }
+        // Text after a call is content, as the stream sends it.
+        let (content, calls) = parse_tool_calls(
+            "<tool_call>{\"name\":\"get_weather\",\"arguments\":{}}</tool_call> and more",
+            &tools,
+        )
+        .unwrap();
+        assert_eq!((content.as_str(), calls.len()), ("and more", 1));
+        // A tag in prose is released at once, not held to the end.
+        let mut s = ToolCallStream::default();
+        let out = s.push("Use <tool_call> tags like this: ", &tools);
+        let text: String = out
+            .iter()
+            .map(|p| match p {
+                StreamPiece::Content(c) => c.as_str(),
+                StreamPiece::Call { .. } => "",
+            })
+            .collect();
+        assert_eq!(text, "Use <tool_call> tags like this: ");
     }
 
     #[test]
@@ -900,7 +931,10 @@ mod tests {
             for p in pieces {
                 match p {
                     StreamPiece::Content(c) => content.push_str(&c),
-                    StreamPiece::Call(c) => calls.push(c),
+                    StreamPiece::Call { index, call } => {
+                        assert_eq!(index, calls.len());
+                        calls.push(call)
+                    }
                 }
             }
             assert_eq!(calls.len(), 1, "step {step}");
