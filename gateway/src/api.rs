@@ -546,6 +546,10 @@ async fn forward(
                     );
                 }
                 outcome.status = Some(status.as_u16());
+                // Back before the answer goes out: the tenant's next request finds its slot.
+                if let Some(l) = lease.take() {
+                    l.release().await;
+                }
                 return Ok(with_engine(
                     proxy::whole_response(status, headers, body),
                     &engine,
@@ -590,6 +594,9 @@ async fn forward(
     }
     if let Some(why) = last_error {
         tracing::warn!(%why, "no engine could serve the request");
+    }
+    if let Some(l) = lease.take() {
+        l.release().await;
     }
     if tokio::time::Instant::now() >= to.deadline {
         return Err(ApiError::timeout());

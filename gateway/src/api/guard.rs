@@ -45,6 +45,8 @@ pub struct Lease {
     /// Tokens to charge on release.
     owed: u64,
     renewer: Option<tokio::task::JoinHandle<()>>,
+    /// The release has started (it runs once, however the lease ends).
+    released: bool,
 }
 
 impl Lease {
@@ -78,6 +80,7 @@ impl Lease {
             id,
             owed: 0,
             renewer,
+            released: false,
         }
     }
 
@@ -87,21 +90,40 @@ impl Lease {
     }
 }
 
-impl Drop for Lease {
-    fn drop(&mut self) {
+impl Lease {
+    /// Releases the lease and waits until the store has it back, so that the tenant's next
+    /// request, sent once this one's answer arrives, finds its slot free. A release cut short
+    /// (the caller dropped) still completes in the background.
+    pub async fn release(mut self) {
+        if let Some(task) = self.start_release() {
+            let _ = task.await;
+        }
+    }
+
+    /// Starts the release, once: on the gateway's own runtime, which outlives the API threads,
+    /// so a release started as an API thread stops still runs. (Once that runtime is gone, the
+    /// lease lapses on its own.)
+    fn start_release(&mut self) -> Option<tokio::task::JoinHandle<()>> {
+        if std::mem::replace(&mut self.released, true) {
+            return None;
+        }
         if let Some(r) = self.renewer.take() {
             r.abort();
         }
-        // On the gateway's own runtime, which outlives the API threads: a release started as an
-        // API thread stops still runs. (Once that runtime is gone, the lease lapses on its own.)
         let (gw, tenant, id) = (self.gw.clone(), self.tenant.clone(), self.id.clone());
         let (limits, owed) = (self.limits, self.owed);
-        self.gw.background.spawn(async move {
+        Some(self.gw.background.spawn(async move {
             if let Err(e) = gw.store.release(&tenant, limits, &id, owed).await {
                 gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %e, "rate-limit release failed; the lease will lapse");
             }
-        });
+        }))
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let _ = self.start_release();
     }
 }
 
