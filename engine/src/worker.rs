@@ -259,10 +259,17 @@ impl<B: Backend> Worker<B> {
             )));
             return;
         };
+        // Each sample its own grammar state: copies for all but the last, which takes the one
+        // compiled for the request.
+        let mut constraint = s.constraint;
         let samples = (0..n)
             .map(|i| Sample {
                 sampler: Sampler::new(&s.params, &s.prompt, &self.eos, i),
-                constraint: s.constraint.clone(),
+                constraint: if i + 1 == n {
+                    constraint.take()
+                } else {
+                    constraint.clone()
+                },
                 stop: StopChecker::new(&s.params, &self.eos, s.max_tokens),
                 detok: Detokenizer::default(),
                 sent: 0,
@@ -353,10 +360,9 @@ impl<B: Backend> Worker<B> {
                     .stack_size(MASK_STACK_BYTES)
                     .spawn_scoped(scope, work);
                 let out = self.forward(&plan);
-                if let Ok(h) = masker {
-                    if let Err(p) = h.join() {
-                        std::panic::resume_unwind(p);
-                    }
+                // A mask that panicked is left unset and computed again as its row is sampled.
+                if masker.is_ok_and(|h| h.join().is_err()) {
+                    tracing::error!("the mask thread panicked");
                 }
                 out
             });
@@ -413,9 +419,9 @@ impl<B: Backend> Worker<B> {
             let Some(req) = self.requests.get_mut(&item.group) else {
                 continue;
             };
-            let indices: Vec<usize> = match req.index.get(&item.seq) {
-                Some(&i) => vec![i],
-                None => (0..req.samples.len()).collect(),
+            let indices = match req.index.get(&item.seq) {
+                Some(&i) => i..i + 1,
+                None => 0..req.samples.len(),
             };
             for i in indices {
                 let sample = &mut req.samples[i];

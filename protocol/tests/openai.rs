@@ -379,7 +379,7 @@ fn unsupported_features_are_rejected() {
     let required = chat_with(json!({"tools": tool, "tool_choice": "required"})).unwrap();
     assert!(matches!(
         required.params.grammar,
-        Some(kvgate_protocol::openai::Grammar::Lark(_))
+        Some(kvgate_protocol::openai::Grammar::ToolCalls(_))
     ));
     assert!(chat_with(json!({"tools": [], "tool_choice": "auto"})).is_ok());
     assert_err(

@@ -53,18 +53,33 @@ fn python_with_openai() -> Option<std::path::PathBuf> {
     Some(python)
 }
 
-/// Runs the client script against `base_url` and checks the golden answers.
-fn check_client(python: &Path, base_url: &str, key: &str) {
+/// Runs `python` with `args`; its stdout, once it exited successfully.
+fn run_python(python: &Path, args: &[&str]) -> String {
     let out = Command::new(python)
-        .args(["-c", SCRIPT, base_url, MODEL, key])
+        .args(args)
         .output()
         .expect("python runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
         "{stdout}{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    stdout
+}
+
+/// A gated engine behind a gateway, and a key of a new tenant `tenant`.
+fn gateway_with_key(tenant: &str) -> (kvgate_tests::Engine, TestGateway, String) {
+    let e = gated_engine("blocks = 1024");
+    let gw = TestGateway::start(config(&[("e0", e.addr)]), StoreKind::Memory);
+    gw.wait_ready(1);
+    let key = gw.tenant(tenant, serde_json::json!({}));
+    (e, gw, key)
+}
+
+/// Runs the client script against `base_url` and checks the golden answers.
+fn check_client(python: &Path, base_url: &str, key: &str) {
+    let stdout = run_python(python, &["-c", SCRIPT, base_url, MODEL, key]);
     assert!(
         stdout.contains("FULL The capital of France is Paris."),
         "{stdout}"
@@ -92,10 +107,7 @@ fn the_official_openai_client_works_through_the_gateway() {
     let Some(python) = python_with_openai() else {
         return;
     };
-    let e = gated_engine("blocks = 1024");
-    let gw = TestGateway::start(config(&[("e0", e.addr)]), StoreKind::Memory);
-    gw.wait_ready(1);
-    let key = gw.tenant("py", serde_json::json!({}));
+    let (_e, gw, key) = gateway_with_key("py");
     check_client(&python, &format!("http://{}/v1", gw.addr), &key);
 }
 
@@ -108,23 +120,11 @@ fn structured_outputs_and_tools_work_with_the_official_client() {
     let Some(python) = python_with_openai() else {
         return;
     };
-    let e = gated_engine("blocks = 1024");
-    let gw = TestGateway::start(config(&[("e0", e.addr)]), StoreKind::Memory);
-    gw.wait_ready(1);
-    let key = gw.tenant("py-structured", serde_json::json!({}));
+    let (_e, gw, key) = gateway_with_key("py-structured");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/structured_outputs.py");
+    let script = script.to_str().expect("a UTF-8 path");
     let base = format!("http://{}/v1", gw.addr);
-    let out = Command::new(&python)
-        .arg(&script)
-        .args([base.as_str(), MODEL, key.as_str(), "200", "100"])
-        .output()
-        .expect("python runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = run_python(&python, &[script, &base, MODEL, &key, "200", "100"]);
     println!("{stdout}");
     for part in [
         "OK parse",

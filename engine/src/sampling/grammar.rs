@@ -71,8 +71,9 @@ impl Default for CompileGate {
 }
 
 impl CompileGate {
-    /// Waits for a place to compile for `tenant`.
-    pub async fn enter(&self, tenant: &str) -> CompilePermit {
+    /// Waits for a place to compile for `tenant`; `None` only if the gate was closed (it never
+    /// is).
+    pub async fn enter(&self, tenant: &str) -> Option<CompilePermit> {
         let mine = {
             let mut tenants = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
             // Tenants nobody holds or waits for are dropped: the map stays as small as the
@@ -83,18 +84,12 @@ impl CompileGate {
                 .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(1)))
                 .clone()
         };
-        // Neither semaphore is ever closed.
-        let tenant = mine.acquire_owned().await.expect("open semaphore");
-        let all = self
-            .all
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("open semaphore");
-        CompilePermit {
+        let tenant = mine.acquire_owned().await.ok()?;
+        let all = self.all.clone().acquire_owned().await.ok()?;
+        Some(CompilePermit {
             _tenant: tenant,
             _all: all,
-        }
+        })
     }
 }
 
@@ -287,7 +282,7 @@ impl GrammarCompiler {
         let top = match grammar {
             Grammar::JsonSchema(s) => TopLevelGrammar::from_json_schema(s.clone()),
             Grammar::Regex(r) => TopLevelGrammar::from_regex(r),
-            Grammar::Lark(l) => TopLevelGrammar::from_lark(l.clone()),
+            Grammar::Lark(l) | Grammar::ToolCalls(l) => TopLevelGrammar::from_lark(l.clone()),
         };
         let parser = self
             .factory

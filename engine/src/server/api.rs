@@ -198,7 +198,11 @@ async fn compile(
         state.metrics.update(|m| m.grammar_cache_hits += 1);
         return Ok(c);
     }
-    let permit = state.grammar_gate.enter(tenant).await;
+    let permit = state
+        .grammar_gate
+        .enter(tenant)
+        .await
+        .ok_or_else(|| ApiError::unavailable("The grammar compiler is shutting down."))?;
     let (tx, rx) = oneshot::channel();
     let (tenant, grammar) = (tenant.to_owned(), grammar.clone());
     std::thread::Builder::new()

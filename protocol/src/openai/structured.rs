@@ -47,6 +47,8 @@ pub enum Grammar {
     Regex(String),
     /// A Lark grammar (llguidance's dialect).
     Lark(String),
+    /// The Lark grammar of required tool calls ([`tool_call_grammar`]).
+    ToolCalls(String),
 }
 
 impl Grammar {
@@ -56,13 +58,14 @@ impl Grammar {
             Grammar::JsonSchema(s) => format!("json:{s}"),
             Grammar::Regex(r) => format!("regex:{r}"),
             Grammar::Lark(l) => format!("lark:{l}"),
+            Grammar::ToolCalls(l) => format!("tools:{l}"),
         }
     }
 
     /// The request field the grammar came from, for errors.
     pub fn param(&self) -> &'static str {
         match self {
-            Grammar::Lark(l) if l.contains(TOOL_CALL_OPEN_LARK) => "tools",
+            Grammar::ToolCalls(_) => "tools",
             _ => "response_format",
         }
     }
@@ -488,7 +491,7 @@ pub fn tool_call_grammar(tools: &[&Tool], parallel: bool, answer: Option<&Value>
     lark.push_str(&format!(
         "calls: {calls}\ncall: {TOOL_CALL_OPEN_LARK} body \"\\n</tool_call>\"\nbody: %json {schema}\n"
     ));
-    Grammar::Lark(lark)
+    Grammar::ToolCalls(lark)
 }
 
 /// The system turn's text for `tools`.
@@ -588,18 +591,27 @@ pub fn parse_tool_calls(text: &str, tools: &[Tool]) -> Option<(String, Vec<Parse
     let mut stream = ToolCallStream::default();
     let mut pieces = stream.push(text, tools);
     pieces.extend(stream.finish());
+    let (content, calls) = join_pieces(pieces);
+    if calls.is_empty() {
+        return None;
+    }
+    Some((content.trim().to_owned(), calls))
+}
+
+/// A stream's pieces as one text and its calls, in order.
+fn join_pieces(pieces: Vec<StreamPiece>) -> (String, Vec<ParsedToolCall>) {
     let mut content = String::new();
     let mut calls = Vec::new();
     for piece in pieces {
         match piece {
             StreamPiece::Content(c) => content.push_str(&c),
-            StreamPiece::Call { call, .. } => calls.push(call),
+            StreamPiece::Call { index, call } => {
+                debug_assert_eq!(index, calls.len());
+                calls.push(call);
+            }
         }
     }
-    if calls.is_empty() {
-        return None;
-    }
-    Some((content.trim().to_owned(), calls))
+    (content, calls)
 }
 
 /// What follows a `<tool_call>`.
@@ -926,17 +938,15 @@ mod tests {
                 at = end;
             }
             pieces.extend(s.finish());
-            let mut content = String::new();
-            let mut calls = Vec::new();
-            for p in pieces {
-                match p {
-                    StreamPiece::Content(c) => content.push_str(&c),
-                    StreamPiece::Call { index, call } => {
-                        assert_eq!(index, calls.len());
-                        calls.push(call)
-                    }
-                }
-            }
+            let indexes: Vec<usize> = pieces
+                .iter()
+                .filter_map(|p| match p {
+                    StreamPiece::Call { index, .. } => Some(*index),
+                    StreamPiece::Content(_) => None,
+                })
+                .collect();
+            assert_eq!(indexes, (0..indexes.len()).collect::<Vec<_>>());
+            let (content, calls) = join_pieces(pieces);
             assert_eq!(calls.len(), 1, "step {step}");
             assert_eq!(calls[0].arguments, r#"{"city":"Paris"}"#);
             assert!(content.starts_with("Sure.\n"), "{content:?}");
