@@ -7,6 +7,7 @@
 //! - [`prefix_index`]: block hash -> block, longest-run lookup.
 //! - [`block_table`]: per-sequence logical -> physical mapping.
 //! - [`host_pool`]: host (CPU) blocks that preempted sequences are swapped into.
+//! - [`tier`]: the host-memory and disk tiers that evicted cached blocks live on in.
 //! - [`manager`]: [`KvCacheManager`], the API the scheduler calls.
 //!
 //! This module only decides; the kernels move the bytes (copy-on-write copies and swaps are
@@ -20,6 +21,7 @@ mod invariants;
 pub mod manager;
 pub mod prefix_index;
 mod swap;
+pub mod tier;
 pub mod types;
 
 pub use block_pool::BlockPool;
@@ -27,6 +29,7 @@ pub use block_table::BlockTable;
 pub use event_log::EventLog;
 pub use manager::KvCacheManager;
 pub use prefix_index::PrefixIndex;
+pub use tier::{TierBlock, TierConfig, TierCounters, TierOp};
 pub use types::{
     AppendOutcome, HashedPrompt, KvConfig, KvCounters, KvError, KvUsage, PromptAllocation, SwapPlan,
 };
@@ -70,6 +73,21 @@ mod tests;
 
 /// A manager over a test deployment's hash recipe (model `test`, seed of zeros).
 pub fn test_manager(num_blocks: u32, num_host_blocks: u32, block_size: u32) -> KvCacheManager {
+    test_manager_tiered(
+        num_blocks,
+        num_host_blocks,
+        block_size,
+        TierConfig::default(),
+    )
+}
+
+/// [`test_manager`] with slower tiers.
+pub fn test_manager_tiered(
+    num_blocks: u32,
+    num_host_blocks: u32,
+    block_size: u32,
+    tiers: TierConfig,
+) -> KvCacheManager {
     let params = kvgate_protocol::HashParams {
         model_id: "test".into(),
         weight_version: "0".into(),
@@ -81,5 +99,6 @@ pub fn test_manager(num_blocks: u32, num_host_blocks: u32, block_size: u32) -> K
         num_blocks,
         num_host_blocks,
         hasher: kvgate_protocol::BlockHasher::new(&params),
+        tiers,
     })
 }

@@ -75,9 +75,19 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
     let closing = state.closing.clone();
+    let commands = state.commands.clone();
     let shutdown = async move {
         shutdown.await;
         let _ = closing.send(true);
+        // The prefix cache outlives the process: what is cached goes to the disk tier (when
+        // there is one) before the engine stops.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if commands
+            .send(crate::worker::Command::Persist(true, tx))
+            .is_ok()
+        {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(60), rx).await;
+        }
     };
     http::serve(
         listener,

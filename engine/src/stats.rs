@@ -63,6 +63,40 @@ pub struct EngineStats {
     /// it was made.
     pub load: LoadReport,
     pub load_at: Option<std::time::Instant>,
+    /// The prefix cache's slower tiers.
+    pub tiers: TierStats,
+}
+
+/// The host-memory and disk tiers of the prefix cache (all zero when they are off).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct TierStats {
+    /// Bytes of one block's KV, every layer.
+    pub block_bytes: u64,
+    pub host_blocks: u64,
+    pub host_capacity: u64,
+    pub disk_blocks: u64,
+    pub disk_capacity: u64,
+    /// Whether the disk tier was configured, and whether it is on (a full disk turns it off).
+    pub disk_configured: bool,
+    pub disk_up: bool,
+    pub host_hit_tokens: u64,
+    pub disk_hit_tokens: u64,
+    pub promoted_blocks: u64,
+    pub loaded_blocks: u64,
+    pub demoted_blocks: u64,
+    pub spilled_blocks: u64,
+    pub dropped_blocks: u64,
+    /// Disk blocks found corrupt, cut short or unreadable (deleted, never served).
+    pub corrupt_blocks: u64,
+    /// Disk writes that failed or were refused because the disk queue was full.
+    pub failed_writes: u64,
+    /// Loads from disk, and their total time.
+    pub loads: u64,
+    pub load_seconds: f64,
+    /// Time spent copying between the device pool and the host tier.
+    pub copy_seconds: f64,
+    /// Bytes of disk writes waiting.
+    pub queued_write_bytes: u64,
 }
 
 /// Shared between the engine thread (writer) and the HTTP handlers (readers).
@@ -110,6 +144,7 @@ impl Stats {
                 device: device.to_owned(),
                 load: LoadReport::default(),
                 load_at: None,
+                tiers: TierStats::default(),
             }),
         }
     }

@@ -9,11 +9,14 @@
 //! cancelled the same way.
 
 mod detok;
+pub mod disk;
 mod liveness;
 mod outbox;
+mod tiers;
 
 pub use liveness::{EngineThread, Heartbeat, WorkerState, DEFAULT_STALL_AFTER};
 
+use crate::kv::manager::SnapshotBlock;
 use crate::kv::{KvCacheManager, ScopeId};
 use crate::model::Llama;
 use crate::sampling::{Constraint, Sampler, StopChecker, StopMatch, TokenLogprobs, Workspace};
@@ -26,7 +29,7 @@ use kvgate_kernels::{AttnSeq, Backend};
 use kvgate_protocol::load::MAX_REPORTED_TENANTS;
 use kvgate_protocol::openai::{ApiError, ErrorCode, FinishReason, SamplingParams};
 use kvgate_protocol::prompt::PromptRenderer;
-use kvgate_protocol::{BlockHash, KvEventRecord, LoadReport, StepCost};
+use kvgate_protocol::{KvEventRecord, LoadReport, StepCost};
 use outbox::{Outbox, Refused};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::mpsc::{Receiver, TryRecvError};
@@ -102,8 +105,11 @@ pub enum Command {
     /// Drop cached prefixes (all, or one scope); replies with the number dropped.
     Flush(Option<String>, oneshot::Sender<usize>),
     Status(oneshot::Sender<Status>),
-    /// Every cached hash with its scope, and the last event number it reflects.
-    Snapshot(oneshot::Sender<(u64, Vec<(String, BlockHash)>)>),
+    /// Every cached hash with its scope and tier, and the last event number it reflects.
+    Snapshot(oneshot::Sender<(u64, Vec<SnapshotBlock>)>),
+    /// Write every cached block not on disk yet to the disk tier (a drain, a stop); with `true`,
+    /// answer once the disk has them. Replies with the number of blocks written.
+    Persist(bool, oneshot::Sender<usize>),
 }
 
 struct Sample {
@@ -148,10 +154,19 @@ pub struct Worker<B: Backend> {
     cost: StepCost,
     /// The load report last published, and when.
     published_load: Option<(Instant, LoadReport)>,
+    /// The disk tier's I/O and the requests waiting on it, when the tier is on.
+    disk: Option<tiers::DiskTier>,
+    /// Host blocks of the swap space, before the host tier's slots.
+    swap_blocks: u32,
+    /// Measured seconds per block of host-tier copies and of disk reads (0 until measured).
+    tier_rates: (f64, f64),
 }
 
 /// Stack of the thread that computes grammar masks beside the forward pass.
 const MASK_STACK_BYTES: usize = 64 << 20;
+
+/// How long an idle engine waits on the disk per turn while requests wait for their loads.
+const LOAD_POLL: Duration = Duration::from_millis(2);
 
 /// How often the published load report is brought up to date.
 const LOAD_REFRESH: Duration = Duration::from_millis(100);
@@ -186,7 +201,28 @@ impl<B: Backend> Worker<B> {
             stall_timeout: Duration::from_secs(30),
             cost: StepCost::default(),
             published_load: None,
+            disk: None,
+            swap_blocks: 0,
+            tier_rates: (0.0, 0.0),
         }
+    }
+
+    /// The host tier's slots follow `swap_blocks` swap blocks in the model's host pools; `disk`
+    /// is the disk tier's I/O, when it is on.
+    pub fn with_tiers(mut self, swap_blocks: u32, disk: Option<disk::DiskIo>) -> Self {
+        self.swap_blocks = swap_blocks;
+        let on = disk.is_some();
+        self.disk = disk.map(|io| tiers::DiskTier {
+            io,
+            loading: HashMap::new(),
+        });
+        let block_bytes = self.model.kv_block_bytes() as u64;
+        self.metrics.update(|m| {
+            m.tiers.disk_configured = on;
+            m.tiers.disk_up = on;
+            m.tiers.block_bytes = block_bytes;
+        });
+        self
     }
 
     /// How long a request's output may sit in a full buffer before it is cancelled as stalled.
@@ -197,9 +233,11 @@ impl<B: Backend> Worker<B> {
 
     /// Runs until every sender of `rx` is gone and no work is left, beating `beat` once per
     /// turn so `/health` can tell a stuck or dead engine thread from a busy one.
+    /// Before it returns, the cached blocks are persisted to the disk tier, when there is one.
     pub fn run(mut self, rx: Receiver<Command>, beat: &Heartbeat) {
         loop {
-            beat.beat(self.sched.has_work());
+            beat.beat(self.sched.has_work() || self.has_loads());
+            self.poll_disk(Duration::ZERO);
             if self.sched.has_work() {
                 loop {
                     match rx.try_recv() {
@@ -209,14 +247,21 @@ impl<B: Backend> Worker<B> {
                     }
                 }
                 self.step();
+            } else if self.has_loads() {
+                // Nothing to compute until a read lands: wait on the disk, a little at a time.
+                self.poll_disk(LOAD_POLL);
+                while let Ok(cmd) = rx.try_recv() {
+                    self.handle(cmd);
+                }
             } else {
                 match rx.recv() {
                     Ok(cmd) => self.handle(cmd),
-                    Err(_) => return,
+                    Err(_) => break,
                 }
             }
             self.publish();
         }
+        self.persist(true);
     }
 
     fn handle(&mut self, cmd: Command) {
@@ -226,10 +271,16 @@ impl<B: Backend> Worker<B> {
                 if self.sched.abort(id) {
                     self.requests.remove(&id);
                 }
+                self.abort_load(id);
             }
             Command::Flush(scope, reply) => {
                 let scope = scope.map(|s| self.sched.kv.scope(&s));
-                let _ = reply.send(self.sched.kv.flush(scope));
+                let n = self.sched.kv.flush(scope);
+                self.run_tier_ops();
+                let _ = reply.send(n);
+            }
+            Command::Persist(wait, reply) => {
+                let _ = reply.send(self.persist(wait));
             }
             Command::Status(reply) => {
                 let _ = reply.send(self.status());
@@ -247,6 +298,13 @@ impl<B: Backend> Worker<B> {
     }
 
     fn submit(&mut self, id: GroupId, s: Submit) {
+        // A prefix cached on disk is read into host memory first, off this thread.
+        if let Some(s) = self.start_load(id, s) {
+            self.admit(id, s);
+        }
+    }
+
+    fn admit(&mut self, id: GroupId, s: Submit) {
         let tenant = self.tenant(&s.tenant);
         let scope: ScopeId = self.sched.kv.scope(&s.scope);
         // Each request carries its tenant's current settings: a missing quota clears one.
@@ -335,6 +393,9 @@ impl<B: Backend> Worker<B> {
             v.iter().map(|(d, h)| (d.0, h.0)).collect()
         };
         self.model.swap_out(&pairs(&plan.swap_out));
+        // After the swap-outs have read their blocks, before anything writes a reused block:
+        // demotions read the blocks being reused, promotions write blocks the forward pass reads.
+        self.run_tier_ops();
         let swap_in: Vec<(u32, u32)> = plan.swap_in.iter().map(|(h, d)| (h.0, d.0)).collect();
         self.model.swap_in(&swap_in);
         let cow: Vec<(u32, u32)> = plan.cow.iter().map(|(s, d)| (s.0, d.0)).collect();
@@ -662,6 +723,9 @@ impl<B: Backend> Worker<B> {
         }
         let usage = self.sched.kv.usage();
         let c = self.sched.kv.counters();
+        let tier = self.sched.kv.tier_counters();
+        let queued = self.disk.as_ref().map_or(0, |d| d.io.queued_write_bytes());
+        let mut rates = self.tier_rates;
         let s = self.sched.stats();
         let kv = &self.sched.kv;
         let tenant_blocks: BTreeMap<String, u64> = self
@@ -709,7 +773,34 @@ impl<B: Backend> Worker<B> {
             m.tenant_quota = tenant_quota;
             m.load = load;
             m.load_at = Some(load_at);
+            let (t, tc) = (&mut m.tiers, tier);
+            t.host_blocks = usage.host_cached as u64;
+            t.host_capacity = usage.host_cache_capacity as u64;
+            t.disk_blocks = usage.disk_cached as u64;
+            t.disk_capacity = usage.disk_capacity as u64;
+            t.host_hit_tokens = tc.host_hit_tokens;
+            t.disk_hit_tokens = tc.disk_hit_tokens;
+            t.promoted_blocks = tc.promoted_blocks;
+            t.loaded_blocks = tc.loaded_blocks;
+            t.demoted_blocks = tc.demoted_blocks;
+            t.spilled_blocks = tc.spilled_blocks;
+            t.dropped_blocks = tc.dropped_blocks;
+            t.queued_write_bytes = queued as u64;
+            let moved = t.promoted_blocks + t.demoted_blocks;
+            rates = (
+                if moved > 0 {
+                    t.copy_seconds / moved as f64
+                } else {
+                    0.0
+                },
+                if t.loaded_blocks > 0 {
+                    t.load_seconds / t.loaded_blocks as f64
+                } else {
+                    0.0
+                },
+            );
         });
+        self.tier_rates = rates;
     }
 
     /// The load report: the scheduler's backlog (waiting tokens by tenant name, the largest
@@ -753,6 +844,8 @@ impl<B: Backend> Worker<B> {
             step_secs,
             next_finish_secs: backlog.next_end.map_or(0.0, |n| n as f64 * step),
             age_secs: 0.0,
+            host_load_secs_per_block: self.tier_rates.0,
+            disk_load_secs_per_block: self.tier_rates.1,
         }
     }
 

@@ -6,11 +6,13 @@
 //! holding exactly the tokens that hash stands for. KV events are replayed into a second index,
 //! which must equal the live one after every step.
 
-use kvgate_engine::kv::{test_manager, KvCacheManager, ScopeId, SeqId, SwapPlan};
-use kvgate_protocol::{BlockHash, KvEvent};
+use kvgate_engine::kv::{
+    test_manager_tiered, KvCacheManager, ScopeId, SeqId, SwapPlan, TierConfig, TierOp,
+};
+use kvgate_protocol::{BlockHash, KvEvent, Tier};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 const BS: usize = 4;
 const SCOPES: [&str; 3] = ["tenant-a", "tenant-b", "shared"];
@@ -25,22 +27,28 @@ struct Harness {
     host: Vec<Vec<Option<u32>>>,
     /// Hash -> the full token prefix it stands for.
     meaning: HashMap<BlockHash, Vec<u32>>,
-    replayed: HashSet<BlockHash>,
+    /// Shadow host-tier slots and disk files.
+    tier_host: Vec<Vec<Option<u32>>>,
+    disk: HashMap<BlockHash, Vec<Option<u32>>>,
+    /// The fastest tier of each cached block, replayed from the events.
+    replayed: HashMap<BlockHash, Tier>,
     next_seq: u64,
     last_event: u64,
 }
 
 impl Harness {
-    fn new(seed: u64) -> Self {
+    fn new(seed: u64, tiers: TierConfig) -> Self {
         let (blocks, host) = (48, 24);
         Harness {
-            m: test_manager(blocks, host, BS as u32),
+            m: test_manager_tiered(blocks, host, BS as u32, tiers),
             rng: StdRng::seed_from_u64(seed),
             tokens: HashMap::new(),
             device: vec![vec![None; BS]; blocks as usize],
             host: vec![vec![None; BS]; host as usize],
             meaning: HashMap::new(),
-            replayed: HashSet::new(),
+            tier_host: vec![vec![None; BS]; tiers.host_blocks as usize],
+            disk: HashMap::new(),
+            replayed: HashMap::new(),
             next_seq: 0,
             last_event: 0,
         }
@@ -80,6 +88,69 @@ impl Harness {
         }
     }
 
+    /// Carries out the tier copies planned so far, as the worker would.
+    fn apply_tier_ops(&mut self) {
+        for op in self.m.take_tier_ops() {
+            match op {
+                TierOp::Demote { device, host } => {
+                    self.tier_host[host as usize] = self.device[device.0 as usize].clone()
+                }
+                TierOp::Promote { host, device } => {
+                    self.device[device.0 as usize] = self.tier_host[host as usize].clone()
+                }
+                TierOp::Spill { host, hash, .. } => {
+                    self.disk
+                        .insert(hash, self.tier_host[host as usize].clone());
+                }
+                TierOp::Save { device, hash, .. } => {
+                    self.disk
+                        .insert(hash, self.device[device.0 as usize].clone());
+                }
+                TierOp::Delete { hash } => {
+                    self.disk.remove(&hash);
+                }
+                TierOp::DeleteAll => self.disk.clear(),
+            }
+        }
+    }
+
+    /// A prompt whose cached run continues on disk is read back, as the disk thread would.
+    fn op_load(&mut self) {
+        let mut scope = self.m.scope(SCOPES[self.rng.gen_range(0..SCOPES.len())]);
+        let mut tokens = self.random_prompt();
+        // Half the time, the prompt of a block on disk (and one token more).
+        let on_disk: Vec<(BlockHash, ScopeId)> = self
+            .m
+            .disk_tier()
+            .map(|d| d.iter().map(|(_, b)| (b.hash, b.scope)).collect())
+            .unwrap_or_default();
+        if !on_disk.is_empty() && self.rng.gen_bool(0.5) {
+            let (hash, s) = on_disk[self.rng.gen_range(0..on_disk.len())];
+            scope = s;
+            tokens = self.meaning[&hash].clone();
+            tokens.push(1);
+        }
+        let prompt = self.m.hash_prompt(scope, &tokens);
+        let run = self.m.disk_run(&prompt);
+        self.m.touch_disk(&run);
+        // The disk thread reads every file of the run before anything the load causes runs.
+        let read: Vec<(BlockHash, Vec<Option<u32>>)> = run
+            .iter()
+            .map(|h| {
+                (
+                    *h,
+                    self.disk.get(h).cloned().expect("a disk block has a file"),
+                )
+            })
+            .collect();
+        for (hash, data) in read {
+            if let Some(slot) = self.m.load_from_disk(hash) {
+                self.apply_tier_ops();
+                self.tier_host[slot as usize] = data;
+            }
+        }
+    }
+
     fn op_start(&mut self) {
         let seq = SeqId(self.next_seq);
         self.next_seq += 1;
@@ -87,6 +158,7 @@ impl Harness {
         let tokens = self.random_prompt();
         let prompt = self.m.hash_prompt(scope, &tokens);
         if let Ok(a) = self.m.allocate_prompt(seq, &prompt, &tokens) {
+            self.apply_tier_ops();
             self.write_slots(seq, a.cached_tokens, &tokens[a.cached_tokens..]);
             self.remember_meaning(scope, &tokens);
             self.tokens.insert(seq, (scope, tokens));
@@ -109,6 +181,7 @@ impl Harness {
         let Ok(out) = self.m.append_slots(seq, &new) else {
             return;
         };
+        self.apply_tier_ops();
         if let Some((src, dst)) = out.cow {
             self.device[dst.0 as usize] = self.device[src.0 as usize].clone();
         }
@@ -126,6 +199,7 @@ impl Harness {
             self.m.swap_out(&[seq])
         };
         if let Ok(plan) = plan {
+            self.apply_tier_ops();
             self.apply_swap(&plan);
         }
     }
@@ -149,15 +223,20 @@ impl Harness {
                 self.tokens.remove(&seq);
             }
             (88..=93, Some(seq)) => self.op_swap(seq),
-            (94..=96, _) => {
+            (94, _) => {
                 let scope = self.m.scope(SCOPES[self.rng.gen_range(0..SCOPES.len())]);
                 self.m.flush(Some(scope));
             }
-            (97.., _) if self.rng.gen_bool(0.3) => {
+            (95..=96, _) => self.op_load(),
+            (97, _) if self.rng.gen_bool(0.1) => {
+                self.m.persist_to_disk();
+            }
+            (98.., _) if self.rng.gen_bool(0.3) => {
                 self.m.flush(None);
             }
             _ => {}
         }
+        self.apply_tier_ops();
     }
 
     fn check(&mut self, step: usize) {
@@ -175,6 +254,31 @@ impl Harness {
                 self.device[block.0 as usize], want,
                 "step {step}: {hash} in {block:?}"
             );
+        }
+        // Likewise every block of the host tier, and every disk-tier block's file.
+        let last_block = |prefix: &Vec<u32>| -> Vec<Option<u32>> {
+            prefix[prefix.len() - BS..]
+                .iter()
+                .map(|t| Some(*t))
+                .collect()
+        };
+        for (slot, b) in self.m.host_tier().iter() {
+            assert_eq!(
+                self.tier_host[slot as usize],
+                last_block(&self.meaning[&b.hash]),
+                "step {step}: host tier {}",
+                b.hash
+            );
+        }
+        if let Some(disk) = self.m.disk_tier() {
+            for (_, b) in disk.iter() {
+                assert_eq!(
+                    self.disk.get(&b.hash),
+                    Some(&last_block(&self.meaning[&b.hash])),
+                    "step {step}: disk tier {}",
+                    b.hash
+                );
+            }
         }
         // Every live sequence's table holds its tokens.
         for (seq, (_, tokens)) in &self.tokens {
@@ -201,25 +305,48 @@ impl Harness {
             );
             self.last_event = record.seq;
             match record.event {
-                KvEvent::BlockStored { hashes, .. } => self.replayed.extend(hashes),
+                KvEvent::BlockStored { hashes, .. } => self
+                    .replayed
+                    .extend(hashes.into_iter().map(|h| (h, Tier::Device))),
+                KvEvent::BlockTier { hashes, tier } => {
+                    self.replayed.extend(hashes.into_iter().map(|h| (h, tier)))
+                }
                 KvEvent::BlockRemoved { hashes } => hashes.iter().for_each(|h| {
                     self.replayed.remove(h);
                 }),
                 KvEvent::AllCleared => self.replayed.clear(),
             }
         }
-        let live: HashSet<BlockHash> = self.m.index().iter().map(|(h, _)| h).collect();
+        let (_, snap) = self.m.snapshot();
+        let live: HashMap<BlockHash, Tier> = snap.iter().map(|b| (b.hash, b.tier)).collect();
+        assert_eq!(
+            snap.len(),
+            live.len(),
+            "step {step}: a block twice in the snapshot"
+        );
         assert_eq!(
             self.replayed, live,
-            "step {step}: replayed events differ from the index"
+            "step {step}: replayed events differ from the tiers"
         );
     }
 }
 
 #[test]
 fn random_operations_keep_every_invariant() {
+    random_operations(TierConfig::default());
+}
+
+#[test]
+fn random_operations_keep_every_invariant_with_host_and_disk_tiers() {
+    random_operations(TierConfig {
+        host_blocks: 8,
+        disk_blocks: 16,
+    });
+}
+
+fn random_operations(tiers: TierConfig) {
     for seed in 0..8 {
-        let mut h = Harness::new(seed);
+        let mut h = Harness::new(seed, tiers);
         for step in 0..3000 {
             h.step();
             h.check(step);
@@ -231,6 +358,17 @@ fn random_operations_keep_every_invariant() {
             "{c:?}"
         );
         assert!(c.swapped_out_blocks > 0 && c.swapped_in_blocks > 0, "{c:?}");
+        if tiers.disk_blocks > 0 {
+            let t = h.m.tier_counters();
+            assert!(
+                t.promoted_blocks > 0
+                    && t.demoted_blocks > 0
+                    && t.spilled_blocks > 0
+                    && t.loaded_blocks > 0
+                    && t.dropped_blocks > 0,
+                "seed {seed}: {t:?}"
+            );
+        }
         let live: Vec<SeqId> = h.tokens.keys().copied().collect();
         for seq in live {
             h.m.free(seq).unwrap();
@@ -248,13 +386,13 @@ fn random_operations_keep_every_invariant() {
 
 #[test]
 fn snapshot_matches_the_index() {
-    let mut h = Harness::new(99);
+    let mut h = Harness::new(99, TierConfig::default());
     for step in 0..500 {
         h.step();
         h.check(step);
     }
     let (seq, blocks) = h.m.snapshot();
     assert_eq!(seq, h.last_event);
-    let snap: HashSet<BlockHash> = blocks.iter().map(|(_, b)| *b).collect();
+    let snap: HashMap<BlockHash, Tier> = blocks.iter().map(|b| (b.hash, b.tier)).collect();
     assert_eq!(snap, h.replayed);
 }

@@ -216,4 +216,10 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     }
     /// Copies blocks between two caches (device -> host swap and back): `(src in from, dst in to)`.
     fn transfer_blocks(&self, from: &Self::Cache, to: &mut Self::Cache, pairs: &[(u32, u32)]);
+    /// Appends block `block`'s bytes (its storage type, little-endian) to `out`, after every copy
+    /// queued before (files of the disk tier are made of these).
+    fn read_block(&self, cache: &Self::Cache, block: u32, out: &mut Vec<u8>);
+    /// Overwrites block `block` with `bytes` from [`Backend::read_block`] of a pool of the same
+    /// shape and storage type.
+    fn write_block(&self, cache: &mut Self::Cache, block: u32, bytes: &[u8]);
 }

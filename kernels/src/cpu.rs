@@ -169,4 +169,12 @@ impl Backend for Cpu {
     fn transfer_blocks(&self, from: &CpuCache, to: &mut CpuCache, pairs: &[(u32, u32)]) {
         cache::transfer_blocks(from, to, pairs)
     }
+
+    fn read_block(&self, c: &CpuCache, block: u32, out: &mut Vec<u8>) {
+        cache::read_block(c, block, out)
+    }
+
+    fn write_block(&self, c: &mut CpuCache, block: u32, bytes: &[u8]) {
+        cache::write_block(c, block, bytes)
+    }
 }

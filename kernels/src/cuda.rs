@@ -445,6 +445,14 @@ impl Backend for Cuda {
     fn transfer_blocks(&self, from: &CudaCache, to: &mut CudaCache, pairs: &[(u32, u32)]) {
         cache::transfer_blocks(self, from, to, pairs)
     }
+
+    fn read_block(&self, c: &CudaCache, block: u32, out: &mut Vec<u8>) {
+        cache::read_block(self, c, block, out)
+    }
+
+    fn write_block(&self, c: &mut CudaCache, block: u32, bytes: &[u8]) {
+        cache::write_block(self, c, block, bytes)
+    }
 }
 
 impl Cuda {

@@ -7,6 +7,31 @@
 use crate::hash::BlockHash;
 use serde::{Deserialize, Serialize};
 
+/// Where an engine holds a cached block, fastest first: its device pool, its host-memory tier, or
+/// its disk tier. A block is reported at the fastest tier that holds it.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    #[default]
+    Device,
+    Host,
+    Disk,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Host => "host",
+            Tier::Disk => "disk",
+        }
+    }
+}
+
 /// One change to an engine's prefix index.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type")]
@@ -18,7 +43,10 @@ pub enum KvEvent {
         parent: Option<BlockHash>,
         scope: String,
     },
-    /// These blocks are no longer cached (evicted or flushed).
+    /// These cached blocks are now held at best in `tier` (evicted from a faster tier into a
+    /// slower one, or loaded from disk into host memory).
+    BlockTier { hashes: Vec<BlockHash>, tier: Tier },
+    /// These blocks are no longer cached in any tier (evicted or flushed).
     BlockRemoved { hashes: Vec<BlockHash> },
     /// Every cached block is gone.
     AllCleared,

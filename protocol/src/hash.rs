@@ -228,6 +228,19 @@ impl BlockHasher {
         (out, chain)
     }
 
+    /// A public fingerprint of this deployment's recipe (model, weights, KV type, block size and
+    /// seed) for `purpose`: equal for equal recipes, and telling nothing about the seed or the
+    /// root. Files that outlive the process (the disk tier) carry it, so blocks of another model
+    /// or seed are never read back.
+    pub fn fingerprint(&self, purpose: &str) -> [u8; 16] {
+        let mut h = blake3::Hasher::new_keyed(&self.root);
+        field(&mut h, TAG_STR, b"kvgate/fingerprint");
+        field(&mut h, TAG_STR, purpose.as_bytes());
+        let mut out = [0u8; 16];
+        out.copy_from_slice(&h.finalize().as_bytes()[..16]);
+        out
+    }
+
     /// Keys of every full block of `tokens` (see [`hash_prefix`](Self::hash_prefix)).
     pub fn block_keys(&self, scope: &str, tokens: &[u32]) -> Vec<BlockHash> {
         self.hash_prefix(scope, tokens).0

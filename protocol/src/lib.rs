@@ -19,6 +19,6 @@ pub mod load;
 pub mod openai;
 pub mod prompt;
 
-pub use events::{KvEvent, KvEventRecord};
+pub use events::{KvEvent, KvEventRecord, Tier};
 pub use hash::{parse_hash_seed, BlockHash, BlockHasher, Chain, HashParams};
 pub use load::{Ask, LoadReport, StepCost};

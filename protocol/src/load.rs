@@ -49,7 +49,17 @@ pub struct LoadReport {
     /// How old these figures were when the engine sent them (it answers with the last step's
     /// while a long step runs).
     pub age_secs: f64,
+    /// Measured seconds to bring one block back from the host tier, and from the disk tier
+    /// (0 until measured).
+    pub host_load_secs_per_block: f64,
+    pub disk_load_secs_per_block: f64,
 }
+
+/// Seconds to bring one block back from the host tier, until an engine has measured it (a copy
+/// of under a megabyte).
+pub const PRIOR_HOST_LOAD_SECS_PER_BLOCK: f64 = 0.0002;
+/// Seconds to read one block from the disk tier, until an engine has measured it.
+pub const PRIOR_DISK_LOAD_SECS_PER_BLOCK: f64 = 0.002;
 
 /// A number of seconds from a report, made safe to compute with: finite, in `[0, max]`.
 fn sane(secs: f64, max: f64) -> f64 {
@@ -68,7 +78,25 @@ impl LoadReport {
         self.step_secs = sane(self.step_secs, MAX_STEP_SECS);
         self.next_finish_secs = sane(self.next_finish_secs, 24.0 * 3600.0);
         self.age_secs = sane(self.age_secs, 24.0 * 3600.0);
+        self.host_load_secs_per_block = sane(self.host_load_secs_per_block, 1.0);
+        self.disk_load_secs_per_block = sane(self.disk_load_secs_per_block, 1.0);
         self
+    }
+
+    /// Seconds to bring `host` blocks from the host tier and `disk` from the disk tier into
+    /// the device pool: measured rates, else the priors.
+    pub fn tier_load_secs(&self, host: u32, disk: u32) -> f64 {
+        let rate = |r: f64, prior: f64| if r > 0.0 { r } else { prior };
+        let h = rate(
+            self.host_load_secs_per_block,
+            PRIOR_HOST_LOAD_SECS_PER_BLOCK,
+        );
+        // A disk block is read, then copied up from the host tier.
+        let d = rate(
+            self.disk_load_secs_per_block,
+            PRIOR_DISK_LOAD_SECS_PER_BLOCK,
+        ) + h;
+        f64::from(host) * h + f64::from(disk) * d
     }
 
     /// Seconds per prefill token: measured, else `prior`.

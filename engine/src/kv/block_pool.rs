@@ -136,20 +136,20 @@ impl BlockPool {
     }
 
     /// Takes the least recently used free block for a sequence of `scope` (and of `holder`, if
-    /// it has a tenant), with ref count 1. Returns the block and the hash it held, if it was
-    /// cached (the caller unregisters it: an eviction).
+    /// it has a tenant), with ref count 1. Returns the block and the hash it held with that
+    /// hash's scope, if it was cached (the caller unregisters it: an eviction).
     pub fn allocate(
         &mut self,
         scope: ScopeId,
         holder: Option<TenantId>,
-    ) -> Option<(BlockId, Option<BlockHash>)> {
+    ) -> Option<(BlockId, Option<(BlockHash, ScopeId)>)> {
         if self.head == NIL {
             return None;
         }
         let id = BlockId(self.head);
         self.unlink(id);
         let meta = &mut self.blocks[id.0 as usize];
-        let evicted = meta.hash.take();
+        let evicted = meta.hash.take().map(|h| (h, meta.scope));
         meta.ref_count = 1;
         meta.scope = scope;
         meta.filled = 0;
@@ -374,7 +374,7 @@ mod tests {
         let (x, evicted) = pool.allocate(s, None).unwrap();
         assert_eq!((x, evicted), (c, None));
         let (y, evicted) = pool.allocate(s, None).unwrap();
-        assert_eq!((y, evicted), (a, Some(h(1))));
+        assert_eq!((y, evicted), (a, Some((h(1), s))));
         assert_eq!(pool.num_cached_free(), 1);
     }
 

@@ -6,7 +6,7 @@
 //! time, so they have no gaps.
 
 use super::ScopeId;
-use kvgate_protocol::{BlockHash, KvEvent, KvEventRecord};
+use kvgate_protocol::{BlockHash, KvEvent, KvEventRecord, Tier};
 
 #[derive(Debug, Clone, Copy)]
 enum Raw {
@@ -16,6 +16,7 @@ enum Raw {
         scope: ScopeId,
     },
     Removed(BlockHash),
+    Tier(BlockHash, Tier),
     Cleared,
 }
 
@@ -83,6 +84,17 @@ impl EventLog {
                     }));
                     KvEvent::BlockRemoved { hashes }
                 }
+                Raw::Tier(_, tier) => {
+                    while matches!(self.raw.get(i), Some(Raw::Tier(_, t)) if *t == tier) {
+                        i += 1;
+                    }
+                    let mut hashes = Vec::with_capacity(i - start);
+                    hashes.extend(self.raw[start..i].iter().filter_map(|r| match r {
+                        Raw::Tier(h, _) => Some(*h),
+                        _ => None,
+                    }));
+                    KvEvent::BlockTier { hashes, tier }
+                }
                 Raw::Cleared => {
                     i += 1;
                     KvEvent::AllCleared
@@ -114,6 +126,11 @@ impl EventLog {
         self.raw.extend(hashes.into_iter().map(Raw::Removed));
     }
 
+    /// A cached block now held at best in `tier`.
+    pub(crate) fn tier(&mut self, hash: BlockHash, tier: Tier) {
+        self.raw.push(Raw::Tier(hash, tier));
+    }
+
     pub(crate) fn cleared(&mut self) {
         self.raw.push(Raw::Cleared);
     }
@@ -133,10 +150,13 @@ mod tests {
         log.stored(BlockHash(9), Some(BlockHash(5)), b);
         log.removed(BlockHash(1));
         log.removed(BlockHash(2));
+        log.tier(BlockHash(7), Tier::Host);
+        log.tier(BlockHash(8), Tier::Host);
+        log.tier(BlockHash(9), Tier::Disk);
         log.cleared();
         let scopes = ["a".to_owned(), "b".to_owned()];
         let events = log.drain(&scopes);
-        assert_eq!(events.len(), 5);
+        assert_eq!(events.len(), 7);
         assert_eq!(events[0].seq, 1);
         assert_eq!(
             events[0].event,
@@ -160,10 +180,17 @@ mod tests {
                 hashes: vec![BlockHash(1), BlockHash(2)]
             }
         );
-        assert_eq!(events[4].event, KvEvent::AllCleared);
-        assert_eq!(log.last_seq(), 5);
+        assert_eq!(
+            events[4].event,
+            KvEvent::BlockTier {
+                hashes: vec![BlockHash(7), BlockHash(8)],
+                tier: Tier::Host
+            }
+        );
+        assert_eq!(events[6].event, KvEvent::AllCleared);
+        assert_eq!(log.last_seq(), 7);
         assert!(log.drain(&scopes).is_empty());
         log.removed(BlockHash(4));
-        assert_eq!(log.drain(&scopes)[0].seq, 6);
+        assert_eq!(log.drain(&scopes)[0].seq, 8);
     }
 }

@@ -11,6 +11,7 @@ impl KvCacheManager {
     ///   the host;
     /// - a block is in the free list exactly when its ref count is 0, and the counts agree;
     /// - the prefix index and the blocks' hashes agree both ways;
+    /// - no block is both in the device pool and in the host tier;
     /// - each table has one block per started `block_size` tokens, every block but the last full;
     /// - per-scope usage and the filled-slot total match a recount;
     /// - each block's holding tenants and their references, and each tenant's block count, match
@@ -122,6 +123,14 @@ impl KvCacheManager {
             let got = self.pool.used_by_tenant(t);
             if want != got {
                 return Err(format!("{t:?}: {got} blocks counted, {want} held"));
+            }
+        }
+        for (_, block) in self.host_tier.iter() {
+            if self.index.get(block.hash).is_some() {
+                return Err(format!(
+                    "{} is in both the device pool and the host tier",
+                    block.hash
+                ));
             }
         }
         for (i, want) in host_refs.iter().enumerate() {

@@ -21,11 +21,12 @@ use super::block_pool::BlockPool;
 use super::event_log::EventLog;
 use super::host_pool::HostPool;
 use super::prefix_index::PrefixIndex;
+use super::tier::{TierCounters, TierOp, TierStore};
 use super::types::{
     AppendOutcome, HashedPrompt, KvConfig, KvCounters, KvError, KvUsage, PromptAllocation,
 };
 use super::{BlockId, BlockTable, HostBlockId, ScopeId, SeqId, TenantId};
-use kvgate_protocol::{BlockHash, BlockHasher, Chain, KvEventRecord};
+use kvgate_protocol::{BlockHash, BlockHasher, Chain, KvEventRecord, Tier};
 use std::collections::HashMap;
 
 #[derive(Debug, Clone)]
@@ -44,6 +45,14 @@ pub(super) struct SeqState {
     pub(super) chain: Chain,
     /// Tokens of the block being filled (cleared when it fills).
     pub(super) partial: Vec<u32>,
+}
+
+/// One cached block of a [`KvCacheManager::snapshot`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SnapshotBlock {
+    pub scope: String,
+    pub hash: BlockHash,
+    pub tier: Tier,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -70,6 +79,13 @@ pub struct KvCacheManager {
     pub(super) quotas: Vec<Option<u32>>,
     pub(super) events: EventLog,
     pub(super) counters: KvCounters,
+    /// Cached blocks evicted from the device pool (see [`super::tier`]).
+    pub(super) host_tier: TierStore,
+    /// Cached blocks spilled from the host tier, when the disk tier is on.
+    pub(super) disk_tier: Option<TierStore>,
+    /// Tier copies planned and not yet taken by the worker, in order.
+    pub(super) tier_ops: Vec<TierOp>,
+    pub(super) tier_counters: TierCounters,
 }
 
 impl KvCacheManager {
@@ -88,6 +104,11 @@ impl KvCacheManager {
             quotas: Vec::new(),
             events: EventLog::default(),
             counters: KvCounters::default(),
+            host_tier: TierStore::new(config.tiers.host_blocks as usize),
+            disk_tier: (config.tiers.disk_blocks > 0 && config.tiers.host_blocks > 0)
+                .then(|| TierStore::new(config.tiers.disk_blocks as usize)),
+            tier_ops: Vec::new(),
+            tier_counters: TierCounters::default(),
         }
     }
 
@@ -201,11 +222,17 @@ impl KvCacheManager {
             return Err(KvError::DuplicateSequence(seq));
         }
         let hits = self.cached_prefix(prompt);
+        // The cached run goes on in the host tier: those blocks are promoted (new device blocks,
+        // as many as the free ones allow).
+        let promote = self
+            .host_run_len(prompt, hits.len())
+            .min(self.pool.num_free());
         // Hits held only by other tenants (or by nobody) are new to this one.
         let new_to_tenant = prompt.tenant.map_or(0, |t| {
             hits.iter()
                 .filter(|b| !self.pool.is_held_by(**b, t))
                 .count()
+                + promote
         });
         self.check_quota(prompt.tenant, new_to_tenant)?;
         let mut table = BlockTable::new();
@@ -213,7 +240,8 @@ impl KvCacheManager {
             self.pool.touch(b, prompt.tenant);
             table.push(b);
         }
-        let cached = hits.len() * self.block_size;
+        self.promote_run(prompt, hits.len(), promote, &mut table);
+        let cached = table.blocks().len() * self.block_size;
         table.set_num_tokens(cached);
         self.counters.queried_tokens += prompt.num_tokens as u64;
         self.counters.hit_tokens += cached as u64;
@@ -384,13 +412,32 @@ impl KvCacheManager {
         let Some((id, evicted)) = self.pool.allocate(scope, tenant) else {
             unreachable!("free blocks were counted before allocating");
         };
-        if let Some(hash) = evicted {
-            if self.index.remove(hash, id) {
+        if let Some((hash, old_scope)) = evicted {
+            if self.index.remove(hash, id) && !self.demote(hash, old_scope, id) {
                 self.events.removed(hash);
             }
             self.counters.evicted_blocks += 1;
         }
         id
+    }
+
+    /// Makes full block `id` the device copy of `hash`, unless another block is already: the
+    /// prefix index, the block's hash, the event, and the end of any host-tier copy (a block is
+    /// never in both). Returns whether it was registered.
+    pub(super) fn index_block(
+        &mut self,
+        hash: BlockHash,
+        id: BlockId,
+        parent: Option<BlockHash>,
+        scope: ScopeId,
+    ) -> bool {
+        if !self.index.insert(hash, id) {
+            return false;
+        }
+        self.pool.set_hash(id, hash);
+        self.host_tier.remove(hash);
+        self.events.stored(hash, parent, scope);
+        true
     }
 
     fn register_full_block(&mut self, state: &mut SeqState, logical: usize, id: BlockId) {
@@ -405,10 +452,7 @@ impl KvCacheManager {
             h
         };
         state.partial.clear();
-        if self.index.insert(hash, id) {
-            self.pool.set_hash(id, hash);
-            self.events.stored(hash, parent, state.scope);
-        }
+        self.index_block(hash, id, parent, state.scope);
     }
 
     /// Refuses `needed` more blocks for `tenant` past its quota (nothing without one).
@@ -473,6 +517,7 @@ impl KvCacheManager {
 
     /// Drops cached prefixes: every one, or those of one scope. Blocks in use stay with their
     /// sequences but can no longer be hit. Returns the number of hashes dropped.
+    /// Every tier is flushed: the host tier's blocks, and the disk tier's files.
     pub fn flush(&mut self, scope: Option<ScopeId>) -> usize {
         let victims: Vec<(BlockHash, BlockId)> = self
             .index
@@ -483,11 +528,25 @@ impl KvCacheManager {
             self.index.remove(hash, id);
             self.pool.clear_hash(id);
         }
+        let mut dropped: Vec<BlockHash> = victims.iter().map(|(h, _)| *h).collect();
+        dropped.extend(self.host_tier.remove_scope(scope).iter().map(|b| b.hash));
+        if let Some(disk) = &mut self.disk_tier {
+            let gone = disk.remove_scope(scope);
+            match scope {
+                None => self.tier_ops.push(TierOp::DeleteAll),
+                Some(_) => self
+                    .tier_ops
+                    .extend(gone.iter().map(|b| TierOp::Delete { hash: b.hash })),
+            }
+            dropped.extend(gone.iter().map(|b| b.hash));
+        }
+        dropped.sort_unstable();
+        dropped.dedup();
         match scope {
             None => self.events.cleared(),
-            Some(_) => self.events.removed_many(victims.iter().map(|(h, _)| *h)),
+            Some(_) => self.events.removed_many(dropped.iter().copied()),
         }
-        victims.len()
+        dropped.len()
     }
 
     pub fn usage(&self) -> KvUsage {
@@ -500,6 +559,10 @@ impl KvCacheManager {
             filled_slots: self.pool.filled_in_use(),
             host_capacity: self.host.num_blocks(),
             host_used: self.host.num_blocks() - self.host.num_free(),
+            host_cached: self.host_tier.len(),
+            host_cache_capacity: self.host_tier.capacity(),
+            disk_cached: self.disk_tier.as_ref().map_or(0, TierStore::len),
+            disk_capacity: self.disk_tier.as_ref().map_or(0, TierStore::capacity),
         }
     }
 
@@ -512,17 +575,41 @@ impl KvCacheManager {
         self.events.drain(&self.scopes)
     }
 
-    /// Every cached hash with its scope, and the sequence number of the last event it reflects: a
-    /// consumer re-syncs by replacing its index with this, then applying events after `seq`.
-    /// Call it after draining pending events.
-    pub fn snapshot(&self) -> (u64, Vec<(String, BlockHash)>) {
+    /// Every cached hash with its scope and the fastest tier holding it, and the sequence number
+    /// of the last event it reflects: a consumer re-syncs by replacing its index with this, then
+    /// applying events after `seq`. Call it after draining pending events.
+    pub fn snapshot(&self) -> (u64, Vec<SnapshotBlock>) {
         debug_assert!(!self.events.has_pending(), "drain events before a snapshot");
-        let blocks = self
+        let block = |scope: ScopeId, hash, tier| SnapshotBlock {
+            scope: self.scope_name(scope).to_owned(),
+            hash,
+            tier,
+        };
+        let mut blocks: Vec<SnapshotBlock> = self
             .index
             .iter()
-            .map(|(h, b)| (self.scope_name(self.pool.meta(b).scope).to_owned(), h))
+            .map(|(h, b)| block(self.pool.meta(b).scope, h, Tier::Device))
             .collect();
+        blocks.extend(
+            self.host_tier
+                .iter()
+                .map(|(_, b)| block(b.scope, b.hash, Tier::Host)),
+        );
+        if let Some(disk) = &self.disk_tier {
+            blocks.extend(
+                disk.iter()
+                    .filter(|(_, b)| !self.is_faster_than_disk(b.hash))
+                    .map(|(_, b)| block(b.scope, b.hash, Tier::Disk)),
+            );
+        }
         (self.events.last_seq(), blocks)
+    }
+
+    /// Drains pending events, then snapshots (for tests).
+    #[cfg(test)]
+    pub(crate) fn snapshot_after_drain(&mut self) -> Vec<SnapshotBlock> {
+        self.drain_events();
+        self.snapshot().1
     }
 
     pub fn block_table(&self, seq: SeqId) -> Option<&BlockTable> {
@@ -540,6 +627,16 @@ impl KvCacheManager {
 
     pub fn num_sequences(&self) -> usize {
         self.seqs.len()
+    }
+
+    /// The host tier's blocks by slot.
+    pub fn host_tier(&self) -> &TierStore {
+        &self.host_tier
+    }
+
+    /// The disk tier's blocks, when it is on.
+    pub fn disk_tier(&self) -> Option<&TierStore> {
+        self.disk_tier.as_ref()
     }
 
     pub fn pool(&self) -> &BlockPool {

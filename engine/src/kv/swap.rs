@@ -142,10 +142,7 @@ impl KvCacheManager {
                     let meta = self.host_meta[h.0 as usize];
                     self.pool.set_filled(b, meta.filled);
                     if let Some(hash) = meta.hash {
-                        if self.index.insert(hash, b) {
-                            self.pool.set_hash(b, hash);
-                            self.events.stored(hash, parent, scope);
-                        }
+                        self.index_block(hash, b, parent, scope);
                     }
                     plan.to_device.push((h, b));
                     b

@@ -274,3 +274,181 @@ fn bad_calls_are_errors() {
         Err(KvError::NotSwappedOut(SeqId(1)))
     );
 }
+
+fn tiered(num_blocks: u32, host: u32, disk: u32) -> KvCacheManager {
+    let params = kvgate_protocol::HashParams {
+        model_id: "test".into(),
+        weight_version: "0".into(),
+        kv_dtype: "f32".into(),
+        block_size: 4,
+        seed: [0; 32],
+    };
+    KvCacheManager::new(KvConfig {
+        num_blocks,
+        num_host_blocks: 0,
+        hasher: kvgate_protocol::BlockHasher::new(&params),
+        tiers: TierConfig {
+            host_blocks: host,
+            disk_blocks: disk,
+        },
+    })
+}
+
+fn ops_of(m: &mut KvCacheManager) -> (usize, usize, usize, usize) {
+    let ops = m.take_tier_ops();
+    let count = |f: fn(&TierOp) -> bool| ops.iter().filter(|o| f(o)).count();
+    (
+        count(|o| matches!(o, TierOp::Demote { .. })),
+        count(|o| matches!(o, TierOp::Promote { .. })),
+        count(|o| matches!(o, TierOp::Spill { .. })),
+        count(|o| matches!(o, TierOp::Delete { .. } | TierOp::DeleteAll)),
+    )
+}
+
+#[test]
+fn evicted_blocks_demote_to_the_host_tier_and_are_promoted_back() {
+    use kvgate_protocol::Tier;
+    let mut m = tiered(4, 8, 0);
+    let prompt = toks(0..13);
+    assert_eq!(start(&mut m, 1, "a", &prompt), 0);
+    m.free(SeqId(1)).unwrap();
+    m.drain_events();
+    // An unrelated prompt takes all four blocks: the three cached ones demote, none is lost.
+    start(&mut m, 2, "a", &toks(100..113));
+    assert_eq!(ops_of(&mut m), (3, 0, 0, 0));
+    assert_eq!(m.usage().host_cached, 3);
+    let events = m.drain_events();
+    assert!(events.iter().any(
+        |e| matches!(&e.event, KvEvent::BlockTier { hashes, tier: Tier::Host } if hashes.len() == 3)
+    ));
+    assert!(!events
+        .iter()
+        .any(|e| matches!(e.event, KvEvent::BlockRemoved { .. })));
+    m.free(SeqId(2)).unwrap();
+    // The first prompt again: its three full blocks come back from the host tier (the last
+    // token is still computed), and the blocks they displace demote in turn.
+    assert_eq!(start(&mut m, 3, "a", &prompt), 12);
+    let ops = m.take_tier_ops();
+    // A promotion's device block, if it held a cached block, was demoted before (its old
+    // block read out before it is overwritten), never after.
+    for (i, op) in ops.iter().enumerate() {
+        if let TierOp::Promote { device, .. } = op {
+            assert!(!ops[i..]
+                .iter()
+                .any(|d| matches!(d, TierOp::Demote { device: x, .. } if x == device)));
+        }
+    }
+    assert!(ops.iter().any(|o| matches!(o, TierOp::Demote { .. })));
+    assert_eq!(
+        ops.iter()
+            .filter(|o| matches!(o, TierOp::Promote { .. }))
+            .count(),
+        3
+    );
+    let c = m.tier_counters();
+    assert_eq!((c.promoted_blocks, c.host_hit_tokens), (3, 12));
+    // A block lives in the device pool or the host tier, never both.
+    assert_eq!(
+        m.usage().host_cached,
+        3,
+        "the second prompt's blocks took their place"
+    );
+    m.check_invariants().unwrap();
+    // Another scope never hits them, in any tier.
+    m.free(SeqId(3)).unwrap();
+    assert_eq!(start(&mut m, 4, "b", &toks(100..113)), 0);
+}
+
+#[test]
+fn host_evictions_spill_to_disk_once_and_load_back() {
+    let mut m = tiered(4, 2, 8);
+    let prompt = toks(0..13);
+    start(&mut m, 1, "a", &prompt);
+    m.free(SeqId(1)).unwrap();
+    start(&mut m, 2, "a", &toks(100..113));
+    // Three demotions into a two-slot host tier: the oldest spills to disk.
+    assert_eq!(ops_of(&mut m), (3, 0, 1, 0));
+    assert_eq!((m.usage().host_cached, m.usage().disk_cached), (2, 1));
+    m.free(SeqId(2)).unwrap();
+    let scope = m.scope("a");
+    let hashed = m.hash_prompt(scope, &prompt);
+    // Freed tail first, block 2 was evicted first and spilled: the cached run is blocks 0 and
+    // 1 in the host tier, then block 2 on disk.
+    let run = m.disk_run(&hashed);
+    assert_eq!(run, vec![hashed.hashes()[2]]);
+    let slot = m.load_from_disk(run[0]).expect("a host slot");
+    assert!(slot < 2);
+    // Loading evicted a host block; it was not on disk yet, so it spills.
+    assert_eq!(ops_of(&mut m).2, 1);
+    assert!(
+        m.load_from_disk(run[0]).is_none(),
+        "already in the host tier"
+    );
+    m.check_invariants().unwrap();
+    // Corrupt on disk: it leaves the tier and its file is deleted.
+    let on_disk = m.snapshot_after_drain().len();
+    m.disk_lost(hashed.hashes()[2]);
+    assert_eq!(ops_of(&mut m).3, 1);
+    assert_eq!(
+        m.snapshot_after_drain().len(),
+        on_disk,
+        "the host copy still counts"
+    );
+}
+
+#[test]
+fn flush_reaches_every_tier_of_its_scope_only() {
+    let mut m = tiered(4, 2, 8);
+    start(&mut m, 1, "a", &toks(0..13));
+    m.free(SeqId(1)).unwrap();
+    start(&mut m, 2, "b", &toks(100..113));
+    m.free(SeqId(2)).unwrap();
+    start(&mut m, 3, "b", &toks(200..213));
+    m.take_tier_ops();
+    let a = m.scope("a");
+    let before = m.usage();
+    assert!(before.host_cached + before.disk_cached >= 3);
+    let dropped = m.flush(Some(a));
+    assert_eq!(dropped, 3, "a's three blocks, wherever they were");
+    let (_, _, _, deletes) = ops_of(&mut m);
+    assert!(deletes >= 1, "a's disk files are deleted");
+    let snap = m.snapshot_after_drain();
+    assert!(snap.iter().all(|b| b.scope == "b"));
+    m.flush(None);
+    assert!(m.take_tier_ops().contains(&TierOp::DeleteAll));
+    assert!(m.snapshot_after_drain().is_empty());
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn persisting_writes_device_and_host_blocks_not_yet_on_disk() {
+    let mut m = tiered(8, 2, 16);
+    start(&mut m, 1, "a", &toks(0..13));
+    m.free(SeqId(1)).unwrap();
+    start(&mut m, 2, "a", &toks(100..109));
+    m.take_tier_ops();
+    assert_eq!(m.persist_to_disk(), 5);
+    let ops = m.take_tier_ops();
+    assert_eq!(
+        ops.iter()
+            .filter(|o| matches!(o, TierOp::Save { .. }))
+            .count(),
+        5
+    );
+    assert_eq!(m.persist_to_disk(), 0, "everything is on disk now");
+    // A restart finds them: the restored tier answers the same run.
+    let blocks: Vec<_> = m
+        .snapshot_after_drain()
+        .into_iter()
+        .map(|b| (b.hash, b.scope))
+        .collect();
+    let mut fresh = tiered(8, 2, 16);
+    fresh.restore_disk_tier(blocks);
+    let scope = fresh.scope("a");
+    let hashed = fresh.hash_prompt(scope, &toks(0..13));
+    assert_eq!(
+        fresh.disk_run(&hashed).len(),
+        1,
+        "half the two-slot host tier at most"
+    );
+}

@@ -1,6 +1,7 @@
 //! The block manager's public value types: its configuration, errors, and the results of its
 //! operations.
 
+use super::tier::TierConfig;
 use super::{BlockId, HostBlockId, ScopeId, SeqId, TenantId};
 use kvgate_protocol::{BlockHash, BlockHasher, Chain};
 
@@ -13,6 +14,8 @@ pub struct KvConfig {
     pub num_host_blocks: u32,
     /// The deployment's block hasher; its block size is the pool's.
     pub hasher: BlockHasher,
+    /// The slower tiers cached blocks demote to.
+    pub tiers: TierConfig,
 }
 
 /// Why a KV operation was refused. Nothing was changed.
@@ -137,6 +140,12 @@ pub struct KvUsage {
     pub filled_slots: usize,
     pub host_capacity: usize,
     pub host_used: usize,
+    /// Cached blocks in the host tier, and its slots.
+    pub host_cached: usize,
+    pub host_cache_capacity: usize,
+    /// Cached blocks in the disk tier, and its slots (0 when it is off).
+    pub disk_cached: usize,
+    pub disk_capacity: usize,
 }
 
 /// Cumulative counters, for metrics.

@@ -75,6 +75,7 @@ pub struct Llama<B: Backend> {
     k_host: Vec<B::Cache>,
     v_host: Vec<B::Cache>,
     shape: AttnShape,
+    kv_dtype: DType,
     scratch: Scratch<B>,
 }
 
@@ -97,7 +98,7 @@ pub struct LoadOptions {
     pub kv_dtype: DType,
     /// Device KV blocks.
     pub num_blocks: usize,
-    /// Host blocks for swapped-out sequences.
+    /// Host blocks: for swapped-out sequences, then for the host tier of the prefix cache.
     pub num_host_blocks: usize,
     pub block_size: usize,
 }
@@ -239,6 +240,7 @@ impl<B: Backend> Llama<B> {
             k_host,
             v_host,
             shape,
+            kv_dtype: opts.kv_dtype,
             scratch,
             config,
         })
@@ -345,6 +347,50 @@ impl<B: Backend> Llama<B> {
         for (dev, host) in self.v_cache.iter().zip(self.v_host.iter_mut()) {
             self.backend.transfer_blocks(dev, host, pairs);
         }
+    }
+
+    /// Bytes of one block across every layer's K and V.
+    pub fn kv_block_bytes(&self) -> usize {
+        let c = self.config();
+        2 * c.num_layers
+            * c.num_kv_heads
+            * c.head_dim
+            * self.shape.block_size
+            * self.kv_dtype.size_bytes()
+    }
+
+    /// Every layer's K then V of one block, as bytes: of host block `id` when `host`, else of
+    /// device block `id`.
+    pub fn read_block(&self, host: bool, id: u32) -> Vec<u8> {
+        let (k, v) = if host {
+            (&self.k_host, &self.v_host)
+        } else {
+            (&self.k_cache, &self.v_cache)
+        };
+        let mut out = Vec::with_capacity(self.kv_block_bytes());
+        for cache in k.iter().chain(v.iter()) {
+            self.backend.read_block(cache, id, &mut out);
+        }
+        out
+    }
+
+    /// Overwrites host block `id` with bytes from [`Self::read_block`]. False (nothing written)
+    /// when they are not one block's worth.
+    pub fn write_host_block(&mut self, id: u32, bytes: &[u8]) -> bool {
+        let n = self.k_host.len() + self.v_host.len();
+        if n == 0 || bytes.len() != self.kv_block_bytes() {
+            return false;
+        }
+        let per = bytes.len() / n;
+        for (cache, chunk) in self
+            .k_host
+            .iter_mut()
+            .chain(self.v_host.iter_mut())
+            .zip(bytes.chunks_exact(per))
+        {
+            self.backend.write_block(cache, id, chunk);
+        }
+        true
     }
 
     /// Copies host blocks back to device blocks (`(host, device)` pairs), every layer.

@@ -113,6 +113,10 @@ pub async fn route(state: Arc<ServerState>, req: Request<Incoming>) -> Response<
     let result = match (req.method().clone(), path.as_str()) {
         (Method::POST, "/admin/drain") => {
             state.draining.store(true, Ordering::SeqCst);
+            // The cache survives a restart: what is cached now goes to the disk tier.
+            let _ = state
+                .commands
+                .send(Command::Persist(false, oneshot::channel().0));
             status(&state).await
         }
         (Method::POST, "/admin/undrain") => {
@@ -167,6 +171,8 @@ async fn status(state: &ServerState) -> Result<Response<RespBody>, ApiError> {
             body["stale"] = serde_json::Value::Bool(true);
         }
     }
+    // The prefix cache's slower tiers, as of the last step.
+    body["tiers"] = serde_json::json!(state.metrics.update(|m| m.tiers.clone()));
     Ok(ok_json(&body))
 }
 
@@ -202,10 +208,6 @@ pub async fn kv_events(state: Arc<ServerState>, req: Request<Incoming>) -> Respo
     let (tx, body) = stream_channel(256);
     let mut closing = state.closing.subscribe();
     tokio::spawn(async move {
-        let blocks: Vec<_> = blocks
-            .iter()
-            .map(|(scope, hash)| serde_json::json!({"scope": scope, "hash": hash}))
-            .collect();
         let snapshot = serde_json::json!({"seq": seq, "blocks": blocks});
         if tx
             .send(Bytes::from(format!(

@@ -18,6 +18,10 @@
 //!                                           # weights and activations
 //! block_size = 16
 //! host_blocks = 1024                        # swap space
+//! host_cache_bytes = 4294967296             # host tier: evicted cached blocks live on here
+//!                                           # (or host_cache_blocks = N)
+//! disk_dir = "/var/cache/kvgate/kv"         # disk tier, off unless set: blocks evicted from
+//! disk_bytes = 68719476736                  # the host tier, kept across restarts
 //! hash_seed = "<64 hex digits>"             # deployment secret, the same on every engine
 //! [scheduler]
 //! max_batched_tokens = 2048
@@ -107,6 +111,17 @@ pub struct KvSection {
     /// (after weights and activations) the KV pool takes.
     #[serde(default = "default_gpu_memory_fraction")]
     pub gpu_memory_fraction: f64,
+    /// The host tier's size, in blocks or bytes (pinned host memory on a GPU; on a CPU engine a
+    /// budget apart from the working pool). Neither: no host tier, unless the disk tier is on.
+    #[serde(default)]
+    pub host_cache_blocks: Option<u32>,
+    #[serde(default)]
+    pub host_cache_bytes: Option<u64>,
+    /// The disk tier's directory (off when unset) and its size in bytes.
+    #[serde(default)]
+    pub disk_dir: Option<PathBuf>,
+    #[serde(default = "default_disk_bytes")]
+    pub disk_bytes: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -129,6 +144,9 @@ pub struct AuthSection {
 
 fn default_listen() -> String {
     "127.0.0.1:8081".into()
+}
+fn default_disk_bytes() -> u64 {
+    16 << 30
 }
 fn default_gpu_memory_fraction() -> f64 {
     0.9
@@ -158,6 +176,10 @@ impl Default for KvSection {
             host_blocks: 0,
             hash_seed: None,
             gpu_memory_fraction: default_gpu_memory_fraction(),
+            host_cache_blocks: None,
+            host_cache_bytes: None,
+            disk_dir: None,
+            disk_bytes: default_disk_bytes(),
         }
     }
 }
@@ -220,6 +242,12 @@ impl EngineConfig {
         }
         if self.kv.blocks == Some(0) || self.kv.bytes == Some(0) {
             return Err("kv.blocks / kv.bytes: must be positive".into());
+        }
+        if self.kv.host_cache_blocks.is_some() && self.kv.host_cache_bytes.is_some() {
+            return Err("kv.host_cache_blocks / kv.host_cache_bytes: set one, not both".into());
+        }
+        if self.kv.disk_dir.is_some() && self.kv.disk_bytes == 0 {
+            return Err("kv.disk_bytes: must be positive with kv.disk_dir".into());
         }
         if self.scheduler.max_batched_tokens == 0 || self.scheduler.max_seqs == 0 {
             return Err("scheduler.max_batched_tokens and max_seqs: must be positive".into());

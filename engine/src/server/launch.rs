@@ -3,11 +3,12 @@
 
 use super::config::EngineConfig;
 use super::ServerState;
-use crate::kv::{KvCacheManager, KvConfig};
+use crate::kv::{KvCacheManager, KvConfig, TierConfig};
 use crate::model::{Llama, LoadOptions, ModelConfig, ModelError};
 use crate::sampling::GrammarCompiler;
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::stats::Stats;
+use crate::worker::disk;
 use crate::worker::{EngineThread, Worker, DEFAULT_STALL_AFTER};
 use kvgate_kernels::{Backend, Cpu, DType};
 use kvgate_protocol::openai::{Limits, SamplingDefaults};
@@ -54,6 +55,10 @@ pub fn start(config: &EngineConfig, dir: &Path) -> Result<Arc<ServerState>, Laun
     })
 }
 
+/// Host-tier blocks that stage disk reads when only the disk tier is configured (a load takes
+/// at most half: 2,048 tokens at 16 per block).
+const DISK_STAGING_BLOCKS: u32 = 256;
+
 /// Starts the engine on `backend` with a KV pool of `kv_dtype`; `default_blocks(bytes per block,
 /// model)` sizes the pool when the config gives neither `kv.blocks` nor `kv.bytes`.
 fn start_on<B: Backend + 'static>(
@@ -79,6 +84,14 @@ fn start_on<B: Backend + 'static>(
         (None, Some(bytes)) => (bytes as usize / per_block).max(1),
         (None, None) => default_blocks(per_block, &model_config)?,
     };
+    // The host tier's slots follow the swap space in the host pools. With a disk tier and no
+    // host tier asked for, a small one stages the disk's reads.
+    let host_tier = match (config.kv.host_cache_blocks, config.kv.host_cache_bytes) {
+        (Some(b), _) => b,
+        (None, Some(bytes)) => (bytes / per_block as u64).max(1) as u32,
+        (None, None) if config.kv.disk_dir.is_some() => DISK_STAGING_BLOCKS,
+        (None, None) => 0,
+    };
     let model = Llama::load(
         backend,
         dir,
@@ -86,7 +99,7 @@ fn start_on<B: Backend + 'static>(
             dtype: wdtype,
             kv_dtype,
             num_blocks,
-            num_host_blocks: config.kv.host_blocks as usize,
+            num_host_blocks: (config.kv.host_blocks + host_tier) as usize,
             block_size,
         },
     )?;
@@ -103,11 +116,39 @@ fn start_on<B: Backend + 'static>(
         block_size: config.kv.block_size,
         seed: config.seed(),
     });
-    let kv = KvCacheManager::new(KvConfig {
+    let disk = match &config.kv.disk_dir {
+        Some(path) => {
+            let fingerprint = hasher.fingerprint(disk::FINGERPRINT_PURPOSE);
+            let (files, scan) = disk::DiskFiles::open(path, fingerprint, &model_id, per_block)
+                .map_err(LaunchError::Config)?;
+            let slots = (config.kv.disk_bytes / files.file_bytes(64) as u64).max(1) as u32;
+            tracing::info!(
+                dir = %path.display(),
+                blocks = scan.blocks.len(),
+                removed = scan.removed,
+                capacity = slots,
+                "disk tier"
+            );
+            Some((files, scan, slots))
+        }
+        None => None,
+    };
+    let mut kv = KvCacheManager::new(KvConfig {
         num_blocks: num_blocks as u32,
         num_host_blocks: config.kv.host_blocks,
         hasher,
+        tiers: TierConfig {
+            host_blocks: host_tier,
+            disk_blocks: disk.as_ref().map_or(0, |d| d.2),
+        },
     });
+    let disk_io = match disk {
+        Some((files, scan, _)) => {
+            kv.restore_disk_tier(scan.blocks);
+            Some(disk::DiskIo::start(files).map_err(LaunchError::Thread)?)
+        }
+        None => None,
+    };
     let sched = Scheduler::new(
         SchedulerConfig {
             max_batched_tokens: config.scheduler.max_batched_tokens,
@@ -148,7 +189,8 @@ fn start_on<B: Backend + 'static>(
         metrics.clone(),
         kv_tx.clone(),
     )
-    .with_stall_timeout(config.stalled_client_timeout());
+    .with_stall_timeout(config.stalled_client_timeout())
+    .with_tiers(config.kv.host_blocks, disk_io);
     let engine = EngineThread::spawn(DEFAULT_STALL_AFTER, move |beat| worker.run(rx, beat))
         .map_err(LaunchError::Thread)?;
     Ok(Arc::new(ServerState {

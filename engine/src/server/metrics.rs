@@ -139,6 +139,7 @@ fn render_stats(m: &EngineStats) -> String {
             ("in", m.swapped_in_blocks as f64),
         ],
     );
+    tier_metrics(&mut o, &m.tiers);
     by_label(
         &mut o,
         "kvgate_sequences",
@@ -259,6 +260,103 @@ fn render_stats(m: &EngineStats) -> String {
     o
 }
 
+/// The prefix cache's tiers: the device pool's own figures are above; these add the host and
+/// disk tiers (`tier` label) and the moves between them.
+fn tier_metrics(o: &mut String, t: &crate::stats::TierStats) {
+    let pair = |host: u64, disk: u64| [("host", host as f64), ("disk", disk as f64)];
+    by_label(
+        o,
+        "kvgate_kv_tier_blocks",
+        "gauge",
+        "Cached blocks held in each slower tier.",
+        "tier",
+        &pair(t.host_blocks, t.disk_blocks),
+    );
+    by_label(
+        o,
+        "kvgate_kv_tier_capacity_blocks",
+        "gauge",
+        "Block slots of each slower tier.",
+        "tier",
+        &pair(t.host_capacity, t.disk_capacity),
+    );
+    by_label(
+        o,
+        "kvgate_kv_tier_bytes",
+        "gauge",
+        "Bytes of KV held in each slower tier.",
+        "tier",
+        &pair(t.host_blocks * t.block_bytes, t.disk_blocks * t.block_bytes),
+    );
+    by_label(
+        o,
+        "kvgate_kv_tier_hit_tokens_total",
+        "counter",
+        "Prompt tokens served from a slower tier instead of computed.",
+        "tier",
+        &pair(t.host_hit_tokens, t.disk_hit_tokens),
+    );
+    by_label(
+        o,
+        "kvgate_kv_tier_promotions_total",
+        "counter",
+        "Blocks moved up out of a tier (host to device, disk to host).",
+        "tier",
+        &pair(t.promoted_blocks, t.loaded_blocks),
+    );
+    by_label(
+        o,
+        "kvgate_kv_tier_demotions_total",
+        "counter",
+        "Blocks moved down into a tier (device to host, host to disk).",
+        "tier",
+        &pair(t.demoted_blocks, t.spilled_blocks),
+    );
+    scalar(
+        o,
+        "kvgate_kv_tier_dropped_blocks_total",
+        "counter",
+        "Cached blocks evicted from the last tier that held them.",
+        t.dropped_blocks,
+    );
+    by_label(
+        o,
+        "kvgate_kv_tier_load_seconds_total",
+        "counter",
+        "Time spent moving blocks: host copies (host) and disk reads (disk).",
+        "tier",
+        &[("host", t.copy_seconds), ("disk", t.load_seconds)],
+    );
+    scalar(
+        o,
+        "kvgate_kv_tier_disk_loads_total",
+        "counter",
+        "Prefix loads from the disk tier.",
+        t.loads,
+    );
+    scalar(
+        o,
+        "kvgate_kv_tier_corrupt_blocks_total",
+        "counter",
+        "Disk-tier blocks found corrupt or cut short (deleted and recomputed, never served).",
+        t.corrupt_blocks,
+    );
+    scalar(
+        o,
+        "kvgate_kv_tier_failed_writes_total",
+        "counter",
+        "Disk-tier writes that failed or found the write queue full.",
+        t.failed_writes,
+    );
+    scalar(
+        o,
+        "kvgate_kv_tier_disk_up",
+        "gauge",
+        "1 while the disk tier is on; 0 when it is configured and was turned off (disk full).",
+        u64::from(t.disk_up || !t.disk_configured),
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -290,6 +388,9 @@ mod tests {
             "kvgate_request_duration_seconds_sum",
             "kvgate_batch_tokens_bucket",
             "kvgate_engine_info{model=\"smollm2\",block_size=\"16\",device=\"cpu\"} 1",
+            "kvgate_kv_tier_blocks{tier=\"disk\"} 0",
+            "kvgate_kv_tier_hit_tokens_total{tier=\"host\"} 0",
+            "kvgate_kv_tier_disk_up 1",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }

@@ -3,7 +3,7 @@
 //! uniform (BLAKE3), so the table uses them as their own hash.
 
 use kvgate_protocol::hash::PrehashedHasher;
-use kvgate_protocol::BlockHash;
+use kvgate_protocol::{BlockHash, Tier};
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasherDefault;
 
@@ -12,11 +12,31 @@ pub const MAX_ENGINES: usize = 64;
 
 type Fast = BuildHasherDefault<PrehashedHasher>;
 
-/// Block hash -> engines, plus each engine's own set (for removal and re-sync).
+/// Block hash -> engines, plus each engine's own set (for removal and re-sync). Each holder is
+/// also marked when its copy is in a slower tier (host memory or disk) rather than its device
+/// pool: such a match saves the prefill but costs a load.
 #[derive(Debug, Default)]
 pub struct PrefixIndex {
-    holders: HashMap<u128, u64, Fast>,
+    holders: HashMap<u128, Holders, Fast>,
     per_engine: Vec<HashSet<u128, Fast>>,
+}
+
+/// Engines holding one block, as slot bitmasks: all of them, and those whose best copy is in
+/// the host tier or on disk.
+#[derive(Debug, Default, Clone, Copy)]
+struct Holders {
+    all: u64,
+    host: u64,
+    disk: u64,
+}
+
+/// How many leading blocks of a request one engine holds, and how many of those are in its
+/// slower tiers.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TierMatch {
+    pub blocks: u32,
+    pub host: u32,
+    pub disk: u32,
 }
 
 impl PrefixIndex {
@@ -27,19 +47,40 @@ impl PrefixIndex {
         }
     }
 
+    /// Engine `slot` holds `hash` in its device pool.
     pub fn insert(&mut self, slot: usize, hash: BlockHash) {
-        if self.per_engine[slot].insert(hash.0) {
-            *self.holders.entry(hash.0).or_insert(0) |= 1 << slot;
+        self.insert_at(slot, hash, Tier::Device);
+    }
+
+    /// Engine `slot` holds `hash`, at best in `tier`.
+    pub fn insert_at(&mut self, slot: usize, hash: BlockHash, tier: Tier) {
+        self.per_engine[slot].insert(hash.0);
+        let h = self.holders.entry(hash.0).or_default();
+        let bit = 1u64 << slot;
+        h.all |= bit;
+        h.host &= !bit;
+        h.disk &= !bit;
+        match tier {
+            Tier::Device => {}
+            Tier::Host => h.host |= bit,
+            Tier::Disk => h.disk |= bit,
         }
     }
 
     pub fn remove(&mut self, slot: usize, hash: BlockHash) {
         if self.per_engine[slot].remove(&hash.0) {
-            if let Some(mask) = self.holders.get_mut(&hash.0) {
-                *mask &= !(1 << slot);
-                if *mask == 0 {
-                    self.holders.remove(&hash.0);
-                }
+            self.unhold(slot, hash.0);
+        }
+    }
+
+    fn unhold(&mut self, slot: usize, hash: u128) {
+        if let Some(h) = self.holders.get_mut(&hash) {
+            let keep = !(1u64 << slot);
+            h.all &= keep;
+            h.host &= keep;
+            h.disk &= keep;
+            if h.all == 0 {
+                self.holders.remove(&hash);
             }
         }
     }
@@ -47,12 +88,7 @@ impl PrefixIndex {
     /// Forgets everything engine `slot` held (it cleared its cache, re-syncs, or left).
     pub fn clear(&mut self, slot: usize) {
         for h in std::mem::take(&mut self.per_engine[slot]) {
-            if let Some(mask) = self.holders.get_mut(&h) {
-                *mask &= !(1 << slot);
-                if *mask == 0 {
-                    self.holders.remove(&h);
-                }
-            }
+            self.unhold(slot, h);
         }
     }
 
@@ -68,24 +104,45 @@ impl PrefixIndex {
     /// For each engine in `candidates` (a slot bitmask), how many leading blocks of `hashes` it
     /// holds: one table lookup per block, however many engines there are.
     pub fn longest_matches(&self, hashes: &[BlockHash], candidates: u64) -> [u32; MAX_ENGINES] {
-        let mut matched = [0u32; MAX_ENGINES];
+        self.longest_tier_matches(hashes, candidates)
+            .map(|m| m.blocks)
+    }
+
+    /// [`Self::longest_matches`], with how many of each engine's matched blocks sit in its
+    /// host tier and on its disk.
+    pub fn longest_tier_matches(
+        &self,
+        hashes: &[BlockHash],
+        candidates: u64,
+    ) -> [TierMatch; MAX_ENGINES] {
+        let mut matched = [TierMatch::default(); MAX_ENGINES];
         let mut alive = candidates;
         for (i, h) in hashes.iter().enumerate() {
             if alive == 0 {
                 break;
             }
-            let here = self.holders.get(&h.0).copied().unwrap_or(0) & alive;
-            let mut lost = alive & !here;
+            let here = self.holders.get(&h.0).copied().unwrap_or_default();
+            let held = here.all & alive;
+            let mut lost = alive & !held;
             while lost != 0 {
                 let slot = lost.trailing_zeros() as usize;
-                matched[slot] = i as u32;
+                matched[slot].blocks = i as u32;
                 lost &= lost - 1;
             }
-            alive = here;
+            let (mut host, mut disk) = (here.host & held, here.disk & held);
+            while host != 0 {
+                matched[host.trailing_zeros() as usize].host += 1;
+                host &= host - 1;
+            }
+            while disk != 0 {
+                matched[disk.trailing_zeros() as usize].disk += 1;
+                disk &= disk - 1;
+            }
+            alive = held;
         }
         while alive != 0 {
             let slot = alive.trailing_zeros() as usize;
-            matched[slot] = hashes.len() as u32;
+            matched[slot].blocks = hashes.len() as u32;
             alive &= alive - 1;
         }
         matched
@@ -124,5 +181,48 @@ mod tests {
         idx.clear(2);
         idx.clear(3);
         assert!(idx.is_empty());
+    }
+
+    #[test]
+    fn matches_count_the_blocks_in_slower_tiers() {
+        let mut idx = PrefixIndex::new();
+        for i in 0..4 {
+            idx.insert(0, h(i));
+            idx.insert(1, h(i));
+        }
+        // Engine 0 demoted blocks 2 and 3 to host memory, then block 3 to disk.
+        idx.insert_at(0, h(2), Tier::Host);
+        idx.insert_at(0, h(3), Tier::Host);
+        idx.insert_at(0, h(3), Tier::Disk);
+        let req: Vec<_> = (0..4).map(h).collect();
+        let m = idx.longest_tier_matches(&req, 0b11);
+        assert_eq!(
+            m[0],
+            TierMatch {
+                blocks: 4,
+                host: 1,
+                disk: 1
+            }
+        );
+        assert_eq!(
+            m[1],
+            TierMatch {
+                blocks: 4,
+                host: 0,
+                disk: 0
+            }
+        );
+        // Promoted back: a device copy again.
+        idx.insert(0, h(3));
+        assert_eq!(idx.longest_tier_matches(&req, 1)[0].disk, 0);
+        idx.remove(0, h(2));
+        assert_eq!(
+            idx.longest_tier_matches(&req, 1)[0],
+            TierMatch {
+                blocks: 2,
+                host: 0,
+                disk: 0
+            }
+        );
     }
 }

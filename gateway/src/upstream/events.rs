@@ -8,7 +8,7 @@ use super::{Engine, HttpClient, Registry};
 use bytes::{Buf, BytesMut};
 use http_body_util::{BodyExt, Full};
 use hyper::{header, Request};
-use kvgate_protocol::{BlockHash, KvEvent, KvEventRecord};
+use kvgate_protocol::{BlockHash, KvEvent, KvEventRecord, Tier};
 use serde::Deserialize;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -23,6 +23,8 @@ struct Snapshot {
 #[derive(Deserialize)]
 struct SnapshotBlock {
     hash: BlockHash,
+    #[serde(default)]
+    tier: Tier,
 }
 
 /// Why a stream ended.
@@ -143,7 +145,7 @@ fn apply(
             let snap: Snapshot = serde_json::from_str(data).map_err(|e| e.to_string())?;
             index.clear(engine.slot);
             for b in snap.blocks {
-                index.insert(engine.slot, b.hash);
+                index.insert_at(engine.slot, b.hash, b.tier);
             }
             *last_seq = Some(snap.seq);
             engine.events_live.store(true, Ordering::SeqCst);
@@ -162,6 +164,11 @@ fn apply(
                 KvEvent::BlockStored { hashes, .. } => {
                     for h in hashes {
                         index.insert(engine.slot, h);
+                    }
+                }
+                KvEvent::BlockTier { hashes, tier } => {
+                    for h in hashes {
+                        index.insert_at(engine.slot, h, tier);
                     }
                 }
                 KvEvent::BlockRemoved { hashes } => {

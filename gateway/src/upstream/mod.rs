@@ -6,7 +6,7 @@ pub mod events;
 pub mod health;
 pub mod proxy;
 
-use crate::routing::index::{PrefixIndex, MAX_ENGINES};
+use crate::routing::index::{PrefixIndex, TierMatch, MAX_ENGINES};
 use crate::routing::{engine_id, Candidate, RouterConfig};
 use bytes::Bytes;
 use http_body_util::Full;
@@ -177,8 +177,12 @@ impl Engine {
     /// prefill this gateway routed to it that has not started; and its requests in flight
     /// (this gateway's now, and other gateways' at the last report). An engine that has not
     /// measured its speed is taken at `prior` seconds per token.
-    fn candidate(&self, report: &Report, matched_blocks: u32, req: &RouteRequest<'_>) -> Candidate {
+    ///
+    /// Matched blocks in the engine's host tier or on its disk save their prefill but must be
+    /// loaded first: their load time, at the engine's measured rates, adds to its wait.
+    fn candidate(&self, report: &Report, matched: TierMatch, req: &RouteRequest<'_>) -> Candidate {
         let (report, age) = (&report.0, report.1);
+        let matched_blocks = matched.blocks;
         let block = req.block_size.max(1) as usize;
         let uncached = req
             .prompt_tokens
@@ -197,7 +201,8 @@ impl Engine {
                 .inflight
                 .load(Ordering::Relaxed)
                 .saturating_add(self.others_inflight.load(Ordering::Relaxed)),
-            wait_secs: report.wait_now(age.unwrap_or(0.0), ask, req.prior_secs_per_token),
+            wait_secs: report.wait_now(age.unwrap_or(0.0), ask, req.prior_secs_per_token)
+                + report.tier_load_secs(matched.host, matched.disk),
             secs_per_token: report.secs_per_token(req.prior_secs_per_token),
             max_seqs: report.max_seqs,
         }
@@ -288,7 +293,7 @@ impl Registry {
             .index
             .read()
             .unwrap_or_else(|p| p.into_inner())
-            .longest_matches(req.hashes, mask);
+            .longest_tier_matches(req.hashes, mask);
         let reports: Vec<Report> = engines.iter().map(|e| e.report()).collect();
         // An engine that has not measured its speed yet is taken to be as fast as the median of
         // those that have (the configured prior only when none has).

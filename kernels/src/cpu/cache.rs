@@ -76,6 +76,44 @@ pub(crate) fn transfer_blocks(from: &CpuCache, to: &mut CpuCache, pairs: &[(u32,
     }
 }
 
+/// Appends block `block`'s values, little-endian, to `out`.
+pub(crate) fn read_block(cache: &CpuCache, block: u32, out: &mut Vec<u8>) {
+    check_block(cache, block, "read_block");
+    let len = cache.block_len();
+    let s = block as usize * len;
+    match &cache.store {
+        Store::F32(v) => out.extend(v[s..s + len].iter().flat_map(|x| x.to_le_bytes())),
+        Store::F16(v) => out.extend(v[s..s + len].iter().flat_map(|x| x.to_bits().to_le_bytes())),
+        Store::BF16(v) => out.extend(v[s..s + len].iter().flat_map(|x| x.to_bits().to_le_bytes())),
+    }
+}
+
+/// Overwrites block `block` with values from [`read_block`].
+pub(crate) fn write_block(cache: &mut CpuCache, block: u32, bytes: &[u8]) {
+    check_block(cache, block, "write_block");
+    let len = cache.block_len();
+    let s = block as usize * len;
+    let width = cache.store.dtype().size_bytes();
+    assert_eq!(bytes.len(), len * width, "write_block: wrong byte count");
+    match &mut cache.store {
+        Store::F32(v) => {
+            for (x, b) in v[s..s + len].iter_mut().zip(bytes.chunks_exact(4)) {
+                *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        Store::F16(v) => {
+            for (x, b) in v[s..s + len].iter_mut().zip(bytes.chunks_exact(2)) {
+                *x = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+            }
+        }
+        Store::BF16(v) => {
+            for (x, b) in v[s..s + len].iter_mut().zip(bytes.chunks_exact(2)) {
+                *x = half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+            }
+        }
+    }
+}
+
 fn check_block(cache: &CpuCache, block: u32, what: &str) {
     assert!(
         (block as usize) < cache.num_blocks,

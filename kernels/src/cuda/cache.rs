@@ -180,6 +180,44 @@ pub(crate) fn transfer_blocks(
     }
 }
 
+/// Appends block `block`'s bytes to `out` (waits for the stream: the copies queued before it
+/// land first).
+pub(crate) fn read_block(cuda: &Cuda, cache: &CudaCache, block: u32, out: &mut Vec<u8>) {
+    let bb = cache.block_bytes();
+    assert!(
+        (block as usize) < cache.num_blocks,
+        "read_block: block {block} >= {}",
+        cache.num_blocks
+    );
+    let start = out.len();
+    out.resize(start + bb, 0);
+    copy_async(
+        cuda,
+        out[start..].as_mut_ptr() as u64,
+        cache.ptr() + block as u64 * bb as u64,
+        bb,
+    );
+    cuda.synchronize();
+}
+
+/// Overwrites block `block` with `bytes` (waits for the copy: `bytes` is the caller's).
+pub(crate) fn write_block(cuda: &Cuda, cache: &mut CudaCache, block: u32, bytes: &[u8]) {
+    let bb = cache.block_bytes();
+    assert!(
+        (block as usize) < cache.num_blocks,
+        "write_block: block {block} >= {}",
+        cache.num_blocks
+    );
+    assert_eq!(bytes.len(), bb, "write_block: wrong byte count");
+    copy_async(
+        cuda,
+        cache.ptr() + block as u64 * bb as u64,
+        bytes.as_ptr() as u64,
+        bb,
+    );
+    cuda.synchronize();
+}
+
 /// Queues a copy of `bytes` bytes; the driver infers the direction (unified addressing).
 fn copy_async(cuda: &Cuda, dst: u64, src: u64, bytes: usize) {
     let r = cuda.context().bind_to_thread();

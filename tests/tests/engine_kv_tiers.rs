@@ -1,0 +1,154 @@
+//! The prefix cache's slower tiers end to end, on the real model: a prompt evicted from the KV
+//! pool comes back from host memory, and from disk after a restart, with exactly the output it
+//! has when computed; a corrupted disk block is caught by its checksum and recomputed, never
+//! served; a flush reaches the files; another deployment's directory is refused.
+
+use kvgate_engine::server::{config::EngineConfig, launch};
+use kvgate_tests::{smollm2_dir, Engine, Response};
+use serde_json::Value;
+use std::path::Path;
+
+const SEED: &str = "0101010101010101010101010101010101010101010101010101010101010101";
+
+/// A prompt of about 200 tokens (13 blocks of 16), different for each `topic`.
+fn long_prompt(topic: &str) -> String {
+    let mut s = format!("You are a careful assistant for questions about {topic}. ");
+    for i in 0..12 {
+        s.push_str(&format!(
+            "Rule {i}: answer about {topic} plainly, cite no sources, and keep to the point. "
+        ));
+    }
+    s.push_str("Now say one word.");
+    s
+}
+
+fn ask(e: &Engine, prompt: &str) -> (String, u64) {
+    let r: Response = e.chat(prompt, r#","max_tokens":6"#);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let j: Value = r.json();
+    let text = j["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let cached = j["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    (text, cached)
+}
+
+/// Fills a 20-block pool with two other long prompts, so the first one's blocks are reused.
+fn evict(e: &Engine) {
+    ask(e, &long_prompt("volcanoes"));
+    ask(e, &long_prompt("glaciers"));
+}
+
+fn kvb_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "kvb"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn an_evicted_prompt_comes_back_from_host_memory_with_the_same_output() {
+    let prompt = long_prompt("rivers");
+    // Without a host tier the evicted prompt is computed again.
+    let plain = Engine::start("[kv]\nblocks = 20");
+    let (want, _) = ask(&plain, &prompt);
+    evict(&plain);
+    let (again, cached) = ask(&plain, &prompt);
+    assert_eq!(again, want);
+    assert!(
+        cached < 64,
+        "the pool is too small to keep it, yet {cached} were cached"
+    );
+    drop(plain);
+
+    let tiered = Engine::start("[kv]\nblocks = 20\nhost_cache_blocks = 64");
+    let (first, _) = ask(&tiered, &prompt);
+    assert_eq!(first, want);
+    evict(&tiered);
+    assert!(tiered.metric("kvgate_kv_tier_demotions_total{tier=\"host\"}") > 0.0);
+    let (back, cached) = ask(&tiered, &prompt);
+    assert_eq!(
+        back, want,
+        "promoted blocks must hold exactly the computed KV"
+    );
+    assert!(
+        cached >= 176,
+        "only {cached} tokens came back from the host tier"
+    );
+    assert!(tiered.metric("kvgate_kv_tier_hit_tokens_total{tier=\"host\"}") >= 176.0);
+    let status = tiered.admin("GET", "/admin/status", "").json();
+    assert_eq!(status["blocks"]["used"], 0, "{status}");
+    assert!(
+        status["tiers"]["host_blocks"].as_u64().unwrap_or(0) > 0,
+        "{status}"
+    );
+}
+
+#[test]
+fn the_disk_tier_survives_a_restart_and_never_serves_a_corrupt_block() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = format!(
+        "[kv]\nblocks = 20\nhash_seed = \"{SEED}\"\ndisk_dir = {:?}\ndisk_bytes = 1073741824",
+        dir.path().display().to_string()
+    );
+    let prompt = long_prompt("rivers");
+    let want = {
+        let e = Engine::start(&config);
+        let (want, _) = ask(&e, &prompt);
+        want
+        // Stopping persists the cache to disk.
+    };
+    assert!(
+        kvb_files(dir.path()).len() >= 12,
+        "the prompt's blocks were not persisted"
+    );
+
+    // Restarted, the engine finds them and the prompt's prefill is a load, not a computation.
+    {
+        let e = Engine::start(&config);
+        let (text, cached) = ask(&e, &prompt);
+        assert_eq!(
+            text, want,
+            "blocks read from disk must hold exactly the computed KV"
+        );
+        assert!(cached >= 176, "only {cached} tokens came back from disk");
+        assert!(e.metric("kvgate_kv_tier_hit_tokens_total{tier=\"disk\"}") >= 176.0);
+        assert!(e.metric("kvgate_kv_tier_disk_loads_total") >= 1.0);
+    }
+
+    // Every file damaged: the checksums catch it, the blocks are deleted and recomputed.
+    for path in kvb_files(dir.path()) {
+        let mut raw = std::fs::read(&path).expect("read");
+        let n = raw.len();
+        raw[n / 2] ^= 0x40;
+        std::fs::write(&path, raw).expect("write");
+    }
+    {
+        let e = Engine::start(&config);
+        let (text, cached) = ask(&e, &prompt);
+        assert_eq!(text, want);
+        assert_eq!(cached, 0, "a corrupt block was served");
+        assert!(e.metric("kvgate_kv_tier_corrupt_blocks_total") >= 1.0);
+        // The flush reaches the disk: its files go.
+        let r = e.admin("POST", "/admin/cache/flush", "");
+        assert_eq!(r.status, 200, "{}", r.body);
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert!(kvb_files(dir.path()).is_empty(), "flushed files remain");
+    }
+
+    // Another hash seed is another deployment: its engine refuses the directory, by name.
+    let other = config.replace(SEED, &"02".repeat(32));
+    let mut parsed = EngineConfig::parse(&other).expect("config");
+    parsed.model_id = Some(kvgate_tests::MODEL.into());
+    let err = launch::start(&parsed, &smollm2_dir())
+        .expect_err("a directory of another deployment is refused")
+        .to_string();
+    assert!(err.contains("another deployment"), "{err}");
+}
