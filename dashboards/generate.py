@@ -207,6 +207,31 @@ def kv_cache():
           [q(f"sum by (direction) (rate(kvgate_swapped_blocks_total{{{ENGINE}}}{RATE}))",
              "{{direction}}")], w=8, unit="short",
           description="Blocks copied between device and host by swap preemption.")
+    L.add("Slower tiers: cached blocks held",
+          [q(f"sum by (tier) (kvgate_kv_tier_blocks{{{ENGINE}}})", "{{tier}}"),
+           q(f"sum by (tier) (kvgate_kv_tier_capacity_blocks{{{ENGINE}}})", "capacity {{tier}}")],
+          w=8, unit="short",
+          description="Cached blocks evicted from the device pool live on in the host tier, "
+          "then on disk, until hit again (and promoted back) or evicted from the last tier.",
+          overrides=[{"matcher": {"id": "byRegexp", "options": "capacity .*"},
+                      "properties": [{"id": "custom.fillOpacity", "value": 0},
+                                     {"id": "custom.lineStyle",
+                                      "value": {"fill": "dash", "dash": [10, 10]}}]}])
+    L.add("Prompt tokens served from a slower tier /s",
+          [q(f"sum by (tier) (rate(kvgate_kv_tier_hit_tokens_total{{{ENGINE}}}{RATE}))",
+             "{{tier}}")], w=8, unit="short",
+          description="Prefill the host and disk tiers saved: tokens loaded back instead of "
+          "computed again.")
+    L.add("Tier moves /s and disk faults",
+          [q(f"sum by (tier) (rate(kvgate_kv_tier_demotions_total{{{ENGINE}}}{RATE}))",
+             "down to {{tier}}"),
+           q(f"sum by (tier) (rate(kvgate_kv_tier_promotions_total{{{ENGINE}}}{RATE}))",
+             "up from {{tier}}"),
+           q(f"sum(rate(kvgate_kv_tier_corrupt_blocks_total{{{ENGINE}}}{RATE}))", "corrupt"),
+           q(f"min(kvgate_kv_tier_disk_up{{{ENGINE}}})", "disk up")], w=8, unit="short",
+          description="Blocks demoted (device to host, host to disk) and promoted back; disk "
+          "blocks that failed their checksum (deleted, recomputed); the disk tier is off "
+          "(disk up = 0) after a full disk, which alerts (KvgateDiskTierOff).")
     L.add("KV blocks per tenant (against quota)",
           [q(f"max by (tenant) (kvgate_tenant_kv_blocks{{{TENANT}}})", "{{tenant}}"),
            q(f"max by (tenant) (kvgate_tenant_kv_quota_blocks{{{TENANT}}})", "quota {{tenant}}"),

@@ -13,12 +13,16 @@
 //! - `sharegpt`: first human turns of the ShareGPT file as prompts (cut to `--max-prompt-chars`),
 //!   with their answer lengths as `max_tokens` (capped by `--max-tokens`).
 //!
+//! `--tiers` starts its own engines: the time to first token of an evicted prompt by the tier
+//! its blocks come back from ([`tiers`]).
+//!
 //! `--routing-sim` needs no server: it compares the gateway's routing policies on a simulated
 //! fleet ([`routing_sim`]).
 
 mod client;
 mod report;
 mod routing_sim;
+mod tiers;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -30,7 +34,7 @@ use std::time::{Duration, Instant};
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
     /// Server base URL, e.g. http://127.0.0.1:8080.
-    #[arg(long, required_unless_present = "routing_sim")]
+    #[arg(long, required_unless_present_any = ["routing_sim", "tiers"])]
     url: Option<String>,
     /// Model name to send.
     #[arg(long, default_value = "smollm2-135m-instruct")]
@@ -80,6 +84,12 @@ pub struct BenchArgs {
     routing_sim: bool,
     #[command(flatten)]
     sim: routing_sim::SimArgs,
+    /// Time the first token of an evicted long prompt by tier (recompute, host, disk), on
+    /// engines this process starts.
+    #[arg(long)]
+    tiers: bool,
+    #[command(flatten)]
+    tier: tiers::TierArgs,
 }
 
 /// One request to send.
@@ -139,6 +149,9 @@ fn jobs(args: &BenchArgs) -> Result<Vec<Job>> {
 pub fn run(args: BenchArgs) -> Result<()> {
     if args.routing_sim {
         return routing_sim::run(&args.sim, args.seed, args.json.as_deref());
+    }
+    if args.tiers {
+        return tiers::run(&args.tier, args.json.as_deref());
     }
     if args.requests == 0 || args.concurrency == 0 {
         bail!("--requests and --concurrency must be positive");

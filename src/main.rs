@@ -35,7 +35,7 @@ enum Command {
     /// Operator CLI over the gateway's admin API: tenants, keys, engines, drain, cache flush.
     Admin(admin_cmd::AdminArgs),
     /// Load generator for an OpenAI-compatible server (engine or gateway).
-    Bench(bench::BenchArgs),
+    Bench(Box<bench::BenchArgs>),
     /// Run one engine instance (OpenAI API, metrics, admin, KV events).
     Engine(engine_cmd::EngineArgs),
     /// Run the gateway (tenants, keys, rate limits, prefix-aware routing, admin API).
@@ -58,7 +58,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Admin(args) => admin_cmd::run(args),
-        Command::Bench(args) => bench::run(args),
+        Command::Bench(args) => bench::run(*args),
         Command::Gateway(args) => gateway_cmd::gateway(args),
         Command::Migrate(args) => gateway_cmd::migrate(args),
         Command::Engine(args) => engine_cmd::engine(args),

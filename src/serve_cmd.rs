@@ -46,6 +46,38 @@ pub struct ServeArgs {
     /// KV cache blocks (16 tokens each).
     #[arg(long, default_value_t = 2048)]
     kv_blocks: u32,
+    /// Bytes of the disk tier under `$KVGATE_HOME/kv-cache`, where evicted prefixes live on and
+    /// which a restart serves from (0: no disk tier).
+    #[arg(long, default_value_t = 4 << 30)]
+    disk_tier_bytes: u64,
+}
+
+/// The disk tier's directory and the hash seed it is keyed by, both under `$KVGATE_HOME`: the
+/// seed is made once and kept (owner-only), so a restarted `serve` hits the blocks it wrote.
+/// `None` (no disk tier, a fresh seed) when the directory cannot be used.
+fn disk_tier(model: &std::path::Path) -> Option<(PathBuf, String)> {
+    let home = crate::assets::home().ok()?;
+    let seed_path = home.join("serve-hash-seed");
+    let seed = match std::fs::read_to_string(&seed_path) {
+        Ok(s) if kvgate_protocol::hash::parse_hash_seed(s.trim()).is_some() => s.trim().to_owned(),
+        _ => {
+            let seed = secret();
+            std::fs::create_dir_all(&home).ok()?;
+            write_private(&seed_path, &seed).ok()?;
+            seed
+        }
+    };
+    let name = model.file_name()?.to_string_lossy().into_owned();
+    Some((home.join("kv-cache").join(name), seed))
+}
+
+fn write_private(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    options.open(path)?.write_all(text.as_bytes())
 }
 
 /// Sampling defaults for the default model: greedy. SmolLM2-135M-Instruct in its Q4_1 GGUF puts
@@ -94,7 +126,10 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let dir = model_cmd::resolve(args.model.as_deref())?;
     let operator_token = secret();
     let engine_token = secret();
-    let seed = secret();
+    let tier = (args.disk_tier_bytes > 0)
+        .then(|| disk_tier(&dir))
+        .flatten();
+    let seed = tier.as_ref().map_or_else(secret, |(_, seed)| seed.clone());
     let engine_config = EngineConfig {
         listen: "127.0.0.1:0".into(),
         sampling: if args.model.is_none() {
@@ -107,6 +142,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         kv: KvSection {
             blocks: Some(args.kv_blocks),
             hash_seed: Some(seed.clone()),
+            disk_dir: tier.map(|(dir, _)| dir),
+            disk_bytes: args.disk_tier_bytes.max(1),
             ..KvSection::default()
         },
         auth: AuthSection {

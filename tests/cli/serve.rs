@@ -119,9 +119,20 @@ fn the_quick_start_answers_golden_and_shows_the_kv_cache() {
         "kvgate_prefix_cache_queried_tokens_total",
         "kvgate_preemptions_total",
         "kvgate_gateway_requests_total{",
+        // The disk tier is on under $KVGATE_HOME.
+        "kvgate_kv_tier_capacity_blocks{tier=\"disk\"}",
+        "kvgate_kv_tier_disk_up 1",
     ] {
         assert!(metrics.contains(name), "{name} missing from:\n{metrics}");
     }
+    let disk_slots = metrics
+        .lines()
+        .find(|l| l.starts_with("kvgate_kv_tier_capacity_blocks{tier=\"disk\"}"))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+    assert!(
+        disk_slots.is_some_and(|n| n > 0.0),
+        "no disk tier: {disk_slots:?}"
+    );
 
     // The printed admin commands: a second tenant with its own key, which works.
     let export = command(&banner, "export ");
