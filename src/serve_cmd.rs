@@ -67,8 +67,15 @@ fn disk_tier(model: &std::path::Path) -> Option<(PathBuf, String)> {
             seed
         }
     };
+    // Named by the model and a digest of its weights: other weights get a directory of their
+    // own rather than a refusal to start.
     let name = model.file_name()?.to_string_lossy().into_owned();
-    Some((home.join("kv-cache").join(name), seed))
+    let digest = kvgate_engine::server::launch::model_digest(model).ok()?;
+    Some((
+        home.join("kv-cache")
+            .join(format!("{name}-{}", &digest[..12])),
+        seed,
+    ))
 }
 
 fn write_private(path: &std::path::Path, text: &str) -> std::io::Result<()> {

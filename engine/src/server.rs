@@ -12,6 +12,7 @@ pub mod config;
 pub mod http;
 pub mod launch;
 pub mod metrics;
+pub mod peer;
 
 use crate::stats::Stats;
 use crate::worker::{Command, EngineThread};
@@ -54,6 +55,10 @@ pub struct ServerState {
     /// Required on `/admin/*` when set.
     pub operator_token: Option<String>,
     pub draining: AtomicBool,
+    /// How peer frames are made and checked (peer transfer needs the engine token).
+    pub peer: Option<crate::worker::disk::PeerCodec>,
+    /// Peer transfers this engine serves at once.
+    pub exports: Arc<tokio::sync::Semaphore>,
     pub inflight: AtomicUsize,
     pub next_id: AtomicU64,
     pub started: u64,
@@ -79,17 +84,8 @@ pub async fn run(
     let shutdown = async move {
         shutdown.await;
         let _ = closing.send(true);
-        // The prefix cache outlives the process: what is cached goes to the disk tier (when
-        // there is one) before the engine stops.
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        if commands
-            .send(crate::worker::Command::Persist(true, tx))
-            .is_ok()
-        {
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(60), rx).await;
-        }
     };
-    http::serve(
+    let served = http::serve(
         listener,
         move || {
             let state = state.clone();
@@ -97,7 +93,17 @@ pub async fn run(
         },
         shutdown,
     )
-    .await
+    .await;
+    // Every connection has finished: the prefix cache outlives the process, so what is cached
+    // goes to the disk tier (when there is one) before the engine stops.
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    if commands
+        .send(crate::worker::Command::Persist(true, tx))
+        .is_ok()
+    {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(70), rx).await;
+    }
+    served
 }
 
 async fn route(
@@ -117,6 +123,7 @@ async fn route(
         (Method::POST, "/v1/completions") => api::completions(state, req).await,
         (Method::POST, "/v1/chat/completions") => api::chat(state, req).await,
         (Method::GET, "/kv/events") => admin::kv_events(state, req).await,
+        (Method::POST, "/kv/blocks") => peer::export(state, req).await,
         (_, p) if p.starts_with("/admin/") => admin::route(state, req).await,
         (
             _,
@@ -126,7 +133,8 @@ async fn route(
             | "/v1/models"
             | "/v1/completions"
             | "/v1/chat/completions"
-            | "/kv/events",
+            | "/kv/events"
+            | "/kv/blocks",
         ) => error_response(&ApiError::method_not_allowed(method.as_str(), &path)),
         _ => error_response(&ApiError::not_found(method.as_str(), &path)),
     };

@@ -97,6 +97,34 @@ pub struct TierStats {
     pub copy_seconds: f64,
     /// Bytes of disk writes waiting.
     pub queued_write_bytes: u64,
+    pub peer_hit_tokens: u64,
+    pub imported_blocks: u64,
+    pub saved_blocks: u64,
+    /// Peer fetches by how they ended.
+    pub peer_fetches: PeerFetches,
+    /// Blocks that peer fetches brought, and their total time.
+    pub peer_blocks: u64,
+    pub peer_seconds: f64,
+}
+
+/// Peer fetches by how they ended.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct PeerFetches {
+    pub complete: u64,
+    pub partial: u64,
+    pub failed: u64,
+    pub timed_out: u64,
+}
+
+impl PeerFetches {
+    pub fn push_result(&mut self, result: &str) {
+        match result {
+            "complete" => self.complete += 1,
+            "partial" => self.partial += 1,
+            "timed_out" => self.timed_out += 1,
+            _ => self.failed += 1,
+        }
+    }
 }
 
 /// Shared between the engine thread (writer) and the HTTP handlers (readers).

@@ -110,6 +110,21 @@ pub enum Command {
     /// Write every cached block not on disk yet to the disk tier (a drain, a stop); with `true`,
     /// answer once the disk has them. Replies with the number of blocks written.
     Persist(bool, oneshot::Sender<usize>),
+    /// The blocks of a prompt (in a scope) that a peer could send: its cached run past what every
+    /// tier here holds.
+    PeerWant(
+        String,
+        Vec<u32>,
+        oneshot::Sender<Vec<kvgate_protocol::BlockHash>>,
+    ),
+    /// A block a peer sent, checked, for the host tier.
+    Import(disk::Frame),
+    /// Frames of these blocks for a peer, in order, as far as the device pool and host tier
+    /// hold them.
+    Export(
+        Vec<kvgate_protocol::BlockHash>,
+        oneshot::Sender<Vec<Vec<u8>>>,
+    ),
 }
 
 struct Sample {
@@ -160,6 +175,8 @@ pub struct Worker<B: Backend> {
     swap_blocks: u32,
     /// Measured seconds per block of host-tier copies and of disk reads (0 until measured).
     tier_rates: (f64, f64),
+    /// How peer frames are made and checked, when peer transfer is on.
+    peer: Option<disk::PeerCodec>,
 }
 
 /// Stack of the thread that computes grammar masks beside the forward pass.
@@ -204,18 +221,23 @@ impl<B: Backend> Worker<B> {
             disk: None,
             swap_blocks: 0,
             tier_rates: (0.0, 0.0),
+            peer: None,
         }
     }
 
     /// The host tier's slots follow `swap_blocks` swap blocks in the model's host pools; `disk`
     /// is the disk tier's I/O, when it is on.
-    pub fn with_tiers(mut self, swap_blocks: u32, disk: Option<disk::DiskIo>) -> Self {
+    /// `peer` makes and checks the frames of peer transfers.
+    pub fn with_tiers(
+        mut self,
+        swap_blocks: u32,
+        disk: Option<disk::DiskIo>,
+        peer: Option<disk::PeerCodec>,
+    ) -> Self {
         self.swap_blocks = swap_blocks;
+        self.peer = peer;
         let on = disk.is_some();
-        self.disk = disk.map(|io| tiers::DiskTier {
-            io,
-            loading: HashMap::new(),
-        });
+        self.disk = disk.map(tiers::DiskTier::new);
         let block_bytes = self.model.kv_block_bytes() as u64;
         self.metrics.update(|m| {
             m.tiers.disk_configured = on;
@@ -248,7 +270,8 @@ impl<B: Backend> Worker<B> {
                 }
                 self.step();
             } else if self.has_loads() {
-                // Nothing to compute until a read lands: wait on the disk, a little at a time.
+                // Nothing to compute until a read lands (or the disk takes more of a drain's
+                // writes): wait on the disk, a little at a time.
                 self.poll_disk(LOAD_POLL);
                 while let Ok(cmd) = rx.try_recv() {
                     self.handle(cmd);
@@ -277,10 +300,29 @@ impl<B: Backend> Worker<B> {
                 let scope = scope.map(|s| self.sched.kv.scope(&s));
                 let n = self.sched.kv.flush(scope);
                 self.run_tier_ops();
-                let _ = reply.send(n);
+                // Answered once the disk tier's files are gone, not just queued to go.
+                match &self.disk {
+                    Some(d) => {
+                        d.io.then(move || {
+                            let _ = reply.send(n);
+                        });
+                    }
+                    None => {
+                        let _ = reply.send(n);
+                    }
+                }
             }
             Command::Persist(wait, reply) => {
                 let _ = reply.send(self.persist(wait));
+            }
+            Command::PeerWant(scope, prompt, reply) => {
+                let scope = self.sched.kv.scope(&scope);
+                let hashed = self.sched.kv.hash_prompt(scope, &prompt);
+                let _ = reply.send(self.sched.kv.missing_run(&hashed));
+            }
+            Command::Import(frame) => self.import(frame),
+            Command::Export(hashes, reply) => {
+                let _ = reply.send(self.export(&hashes));
             }
             Command::Status(reply) => {
                 let _ = reply.send(self.status());
@@ -785,6 +827,9 @@ impl<B: Backend> Worker<B> {
             t.demoted_blocks = tc.demoted_blocks;
             t.spilled_blocks = tc.spilled_blocks;
             t.dropped_blocks = tc.dropped_blocks;
+            t.peer_hit_tokens = tc.peer_hit_tokens;
+            t.imported_blocks = tc.imported_blocks;
+            t.saved_blocks = tc.saved_blocks;
             t.queued_write_bytes = queued as u64;
             let moved = t.promoted_blocks + t.demoted_blocks;
             rates = (

@@ -151,6 +151,25 @@ impl Harness {
         }
     }
 
+    /// A peer sends the blocks of a prompt that no tier here holds, as a peer fetch would.
+    fn op_import(&mut self) {
+        let scope = self.m.scope(SCOPES[self.rng.gen_range(0..SCOPES.len())]);
+        let tokens = self.random_prompt();
+        self.remember_meaning(scope, &tokens);
+        let prompt = self.m.hash_prompt(scope, &tokens);
+        for hash in self.m.missing_run(&prompt) {
+            let prefix = &self.meaning[&hash];
+            let data: Vec<Option<u32>> = prefix[prefix.len() - BS..]
+                .iter()
+                .map(|t| Some(*t))
+                .collect();
+            if let Some(slot) = self.m.import_to_host(hash, scope) {
+                self.apply_tier_ops();
+                self.tier_host[slot as usize] = data;
+            }
+        }
+    }
+
     fn op_start(&mut self) {
         let seq = SeqId(self.next_seq);
         self.next_seq += 1;
@@ -228,8 +247,9 @@ impl Harness {
                 self.m.flush(Some(scope));
             }
             (95..=96, _) => self.op_load(),
+            (97, _) if self.rng.gen_bool(0.5) => self.op_import(),
             (97, _) if self.rng.gen_bool(0.1) => {
-                self.m.persist_to_disk();
+                self.m.persist_to_disk(self.rng.gen_range(1..20));
             }
             (98.., _) if self.rng.gen_bool(0.3) => {
                 self.m.flush(None);
@@ -345,6 +365,8 @@ fn random_operations_keep_every_invariant_with_host_and_disk_tiers() {
 }
 
 fn random_operations(tiers: TierConfig) {
+    // Promoted, demoted, spilled, loaded, imported, dropped, saved: over all seeds.
+    let mut moved = [0u64; 7];
     for seed in 0..8 {
         let mut h = Harness::new(seed, tiers);
         for step in 0..3000 {
@@ -358,16 +380,17 @@ fn random_operations(tiers: TierConfig) {
             "{c:?}"
         );
         assert!(c.swapped_out_blocks > 0 && c.swapped_in_blocks > 0, "{c:?}");
-        if tiers.disk_blocks > 0 {
-            let t = h.m.tier_counters();
-            assert!(
-                t.promoted_blocks > 0
-                    && t.demoted_blocks > 0
-                    && t.spilled_blocks > 0
-                    && t.loaded_blocks > 0
-                    && t.dropped_blocks > 0,
-                "seed {seed}: {t:?}"
-            );
+        let t = h.m.tier_counters();
+        for (sum, n) in moved.iter_mut().zip([
+            t.promoted_blocks,
+            t.demoted_blocks,
+            t.spilled_blocks,
+            t.loaded_blocks,
+            t.imported_blocks,
+            t.dropped_blocks,
+            t.saved_blocks,
+        ]) {
+            *sum += n;
         }
         let live: Vec<SeqId> = h.tokens.keys().copied().collect();
         for seq in live {
@@ -381,6 +404,12 @@ fn random_operations(tiers: TierConfig) {
         );
         assert_eq!(usage.host_used, 0);
         assert_eq!(h.m.pool().num_free(), usage.capacity);
+    }
+    if tiers.disk_blocks > 0 {
+        assert!(
+            moved.iter().all(|n| *n > 0),
+            "a tier move never happened: {moved:?}"
+        );
     }
 }
 

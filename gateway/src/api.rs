@@ -19,7 +19,7 @@ use crate::routing::prefix::PromptHashes;
 use crate::state::Gateway;
 use crate::store::Admission;
 use crate::upstream::proxy::{self, Forward, StreamEnd};
-use crate::upstream::{now_ms, Engine, RouteRequest};
+use crate::upstream::{now_ms, Engine, RouteRequest, PEER_MIN_GAIN_BLOCKS};
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::header::{HeaderName, HeaderValue};
@@ -528,7 +528,27 @@ async fn forward(
             .saturating_sub(choice.matched_blocks as usize * block) as u64;
         let mut load = EngineLoad::enter(&engine, prefill);
         let budget = per_attempt.min(left);
-        let result = proxy::attempt(&crate::upstream::local_client(), &engine, &fwd, budget).await;
+        // Another engine holds more of the prefix (the chosen one is less busy, or that one is
+        // draining): the chosen engine is told where to fetch it from.
+        let peer = gw
+            .registry
+            .best_peer(&prepared.hashes.hashes, engine.slot, now)
+            .filter(|(_, n)| *n >= choice.matched_blocks + PEER_MIN_GAIN_BLOCKS)
+            .and_then(|(peer, _)| Some((HeaderValue::from_str(&peer.url).ok()?, peer)));
+        let hinted;
+        let fwd_here = match peer {
+            Some((url, peer)) => {
+                gw.metrics.peer_hint(&peer.name);
+                let mut f = fwd.clone();
+                f.headers
+                    .push((HeaderName::from_static("x-kvgate-prefix-peer"), url));
+                hinted = f;
+                &hinted
+            }
+            None => &fwd,
+        };
+        let result =
+            proxy::attempt(&crate::upstream::local_client(), &engine, fwd_here, budget).await;
         load.started();
         match result {
             proxy::Outcome::Whole {

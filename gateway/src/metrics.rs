@@ -62,6 +62,8 @@ fn escape(v: &str) -> String {
 pub struct Metrics {
     requests: Family,
     route_decisions: Family,
+    /// Requests sent with a peer hint, by the peer engine.
+    peer_hints: Family,
     ratelimited: Family,
     engine_up: Family,
     engine_inflight: Family,
@@ -88,6 +90,7 @@ impl Default for Metrics {
         Metrics {
             requests: Family::default(),
             route_decisions: Family::default(),
+            peer_hints: Family::default(),
             ratelimited: Family::default(),
             engine_up: Family::default(),
             engine_inflight: Family::default(),
@@ -108,6 +111,11 @@ impl Metrics {
 
     pub fn route_decision(&self, reason: &str) {
         self.route_decisions.add(&[reason], 1.0);
+    }
+
+    /// A request went with a hint to fetch its prefix from engine `peer`.
+    pub fn peer_hint(&self, peer: &str) {
+        self.peer_hints.add(&[peer], 1.0);
     }
 
     pub fn ratelimited(&self, tenant: &str) {
@@ -149,6 +157,13 @@ impl Metrics {
             "counter",
             "Routing decisions by reason.",
             &["reason"],
+        );
+        self.peer_hints.render(
+            &mut out,
+            "kvgate_gateway_peer_hints_total",
+            "counter",
+            "Requests routed away from the engine holding their prefix, told to fetch it from there.",
+            &["engine"],
         );
         self.routed_prefix_blocks.render(
             &mut out,

@@ -241,6 +241,16 @@ impl BlockHasher {
         out
     }
 
+    /// A secret key for `purpose`, derived from the root: as secret as the seed (never log it).
+    /// The disk tier authenticates its files with one, so a file that someone else wrote is
+    /// never served.
+    pub fn secret_key(&self, purpose: &str) -> [u8; 32] {
+        let mut h = blake3::Hasher::new_keyed(&self.root);
+        field(&mut h, TAG_STR, b"kvgate/secret-key");
+        field(&mut h, TAG_STR, purpose.as_bytes());
+        *h.finalize().as_bytes()
+    }
+
     /// Keys of every full block of `tokens` (see [`hash_prefix`](Self::hash_prefix)).
     pub fn block_keys(&self, scope: &str, tokens: &[u32]) -> Vec<BlockHash> {
         self.hash_prefix(scope, tokens).0

@@ -21,6 +21,11 @@ pub struct Target {
 }
 
 impl Target {
+    /// The base URL.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.host)
+    }
+
     pub fn parse(url: &str, api_key: Option<String>) -> Result<Self> {
         let Some(rest) = url.strip_prefix("http://") else {
             bail!("--url must start with http:// (got {url:?})");
@@ -92,6 +97,18 @@ pub fn stream_completion(
     scope: Option<&str>,
     format: Option<&serde_json::Value>,
 ) -> Outcome {
+    let headers: Vec<(&str, &str)> = scope.map(|s| ("x-kvgate-scope", s)).into_iter().collect();
+    stream_completion_with(t, model, job, &headers, format)
+}
+
+/// [`stream_completion`] with these extra request headers.
+pub fn stream_completion_with(
+    t: &Target,
+    model: &str,
+    job: &Job,
+    headers: &[(&str, &str)],
+    format: Option<&serde_json::Value>,
+) -> Outcome {
     let start = Instant::now();
     let mut body = serde_json::json!({
         "model": model, "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0,
@@ -102,10 +119,9 @@ pub fn stream_completion(
         body["ignore_eos"] = false.into();
     }
     let body = body.to_string();
-    let headers: Vec<(&str, &str)> = scope.map(|s| ("x-kvgate-scope", s)).into_iter().collect();
     let mut out = Outcome::default();
     let result = (|| -> Result<()> {
-        let mut r = t.send("POST", "/v1/completions", &headers, &body)?;
+        let mut r = t.send("POST", "/v1/completions", headers, &body)?;
         let status = status_line(&mut r)?;
         let mut line = String::new();
         let mut last = None;

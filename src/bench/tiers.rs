@@ -5,9 +5,14 @@
 //! - **host**: the host tier holds the evicted blocks; they are copied back.
 //! - **disk**: the engine was restarted; the disk tier's files are read back (the OS page cache
 //!   may hold them: this is the warm-restart case, not a cold disk).
+//! - **peer**: a fresh engine is told (as the gateway tells it) that another engine holds the
+//!   prompt, and fetches its blocks over loopback HTTP.
 //!
 //! Each run starts fresh engines in this process (loopback HTTP): the prompt is sent once, two
 //! other prompts of the same length evict it, and then it is timed (one streamed token).
+//!
+//! `--tier-throughput` instead runs a shared-prefix workload whose system prompts are four times
+//! the KV pool, tiers off against the host tier on: requests per second and TTFT p50/p99.
 
 use super::client::{self, Target};
 use super::Job;
@@ -28,6 +33,9 @@ pub struct TierArgs {
     /// Runs of each mode (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub tier_runs: usize,
+    /// Run the shared-prefix throughput workload (system prompts 4x the pool) instead.
+    #[arg(long)]
+    pub tier_throughput: bool,
 }
 
 const MODEL_ID: &str = "smollm2-135m-instruct";
@@ -57,6 +65,9 @@ struct LocalEngine {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
+
+/// The engine token of the engines this benchmark starts (peer transfer needs one).
+const TOKEN: &str = "bench-engine-token";
 
 impl LocalEngine {
     fn start(toml: &str, dir: &Path) -> Result<LocalEngine> {
@@ -90,19 +101,32 @@ impl LocalEngine {
             .flatten()
             .context("the engine did not start listening")?;
         Ok(LocalEngine {
-            target: Target::parse(&format!("http://{addr}"), None)?,
+            target: Target::parse(&format!("http://{addr}"), Some(TOKEN.into()))?,
             stop: Some(stop),
             thread: Some(thread),
         })
     }
 
+    fn url(&self) -> String {
+        self.target.url()
+    }
+
     /// Time to first token and cached tokens of one greedy streamed token.
     fn ttft(&self, prompt: &str) -> Result<(f64, u64, u64)> {
+        self.ttft_via(prompt, None)
+    }
+
+    /// [`Self::ttft`], told that `peer` holds the prompt's prefix.
+    fn ttft_via(&self, prompt: &str, peer: Option<&str>) -> Result<(f64, u64, u64)> {
         let job = Job {
             prompt: prompt.to_owned(),
             max_tokens: 1,
         };
-        let out = client::stream_completion(&self.target, MODEL_ID, &job, None, None);
+        let headers: Vec<(&str, &str)> = peer
+            .map(|p| ("x-kvgate-prefix-peer", p))
+            .into_iter()
+            .collect();
+        let out = client::stream_completion_with(&self.target, MODEL_ID, &job, &headers, None);
         if let Some(e) = out.error {
             bail!("{e}");
         }
@@ -153,18 +177,24 @@ pub fn run(args: &TierArgs, json: Option<&str>) -> Result<()> {
         prompt("typesetting", args.tier_prompt_tokens),
     ];
     let scratch = std::env::temp_dir().join(format!("kvgate-bench-tiers-{}", std::process::id()));
-    let base = format!("[kv]\nblocks = {blocks}\nhash_seed = \"{seed}\"\n");
+    let base = format!(
+        "[auth]\nengine_token = \"{TOKEN}\"\n[kv]\nblocks = {blocks}\nhash_seed = \"{seed}\"\n"
+    );
+    if args.tier_throughput {
+        return throughput(args, &dir, &base, json);
+    }
     let mut results: Vec<ModeResult> = Vec::new();
-    for mode in ["recompute", "host", "disk"] {
+    for mode in ["recompute", "host", "disk", "peer"] {
         let mut times = Vec::new();
         let (mut cached, mut prompt_tokens) = (0, 0);
         for run in 0..args.tier_runs {
             let (t, c, p) = match mode {
                 "recompute" | "host" => {
+                    // With the engine token a staging host tier is on unless turned off.
                     let extra = if mode == "host" {
                         format!("host_cache_blocks = {host}\n")
                     } else {
-                        String::new()
+                        "host_cache_blocks = 0\n".to_owned()
                     };
                     let e = LocalEngine::start(&format!("{base}{extra}"), &dir)?;
                     e.ttft(&main)?;
@@ -172,6 +202,13 @@ pub fn run(args: &TierArgs, json: Option<&str>) -> Result<()> {
                         e.ttft(o)?;
                     }
                     e.ttft(&main)?
+                }
+                "peer" => {
+                    let holder = LocalEngine::start(&base, &dir)?;
+                    holder.ttft(&main)?;
+                    let taker =
+                        LocalEngine::start(&format!("{base}host_cache_blocks = {host}\n"), &dir)?;
+                    taker.ttft_via(&main, Some(&holder.url()))?
                 }
                 _ => {
                     let disk = scratch.join(format!("run{run}"));
@@ -224,14 +261,155 @@ pub fn run(args: &TierArgs, json: Option<&str>) -> Result<()> {
             r.speedup_vs_recompute
         );
     }
-    println!("peer       (peer fetch is not built)");
-    if let Some(path) = json {
-        let text = serde_json::to_string_pretty(&results)?;
-        if path == "-" {
-            println!("{text}");
-        } else {
-            std::fs::write(path, text).with_context(|| format!("writing {path}"))?;
-        }
+    write_json(json, &results)
+}
+
+/// Prints `results` as JSON (`-`) or writes them to a file.
+fn write_json(json: Option<&str>, results: &impl serde::Serialize) -> Result<()> {
+    let Some(path) = json else {
+        return Ok(());
+    };
+    let text = serde_json::to_string_pretty(results)?;
+    if path == "-" {
+        println!("{text}");
+    } else {
+        std::fs::write(path, text).with_context(|| format!("writing {path}"))?;
     }
     Ok(())
+}
+
+fn percentile(v: &[f64], p: f64) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let i = ((s.len() as f64 - 1.0) * p).round() as usize;
+    s.get(i).copied().unwrap_or(0.0)
+}
+
+#[derive(Debug, serde::Serialize)]
+struct ThroughputResult {
+    mode: &'static str,
+    requests: usize,
+    requests_per_sec: f64,
+    ttft_p50_secs: f64,
+    ttft_p99_secs: f64,
+    cached_fraction: f64,
+}
+
+/// The shared-prefix workload whose system prompts are 4x the pool: 24 tenants' 400-token
+/// prompts (25 blocks each, 600 in all) on a 150-block pool, 96 requests from 4 clients in a
+/// seeded order, each a tenant's prompt and a short question of its own, 4 tokens out, after
+/// every tenant has been seen once (untimed). The pool holds the four requests running at once,
+/// not the tenants' prompts.
+fn throughput(args: &TierArgs, dir: &Path, base: &str, json: Option<&str>) -> Result<()> {
+    const TENANTS: usize = 24;
+    const PROMPT_TOKENS: usize = 400;
+    const REQUESTS: usize = 96;
+    const CLIENTS: usize = 4;
+    let systems: Vec<String> = (0..TENANTS)
+        .map(|t| {
+            prompt(
+                &format!("tenant {t} ({})", WORDS[t % WORDS.len()]),
+                PROMPT_TOKENS,
+            )
+        })
+        .collect();
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let jobs: Vec<Job> = (0..REQUESTS)
+        .map(|i| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            Job {
+                prompt: format!(
+                    "{}\nQuestion {i}: what is fact {}?",
+                    systems[(x % TENANTS as u64) as usize],
+                    x % 97
+                ),
+                max_tokens: 4,
+            }
+        })
+        .collect();
+    // A quarter of the blocks the tenants' prompts take.
+    let pool_blocks = TENANTS * PROMPT_TOKENS.div_ceil(16) / 4;
+    let pool = base.replace(
+        &format!("blocks = {}", (args.tier_prompt_tokens / 16 + 8) * 5 / 4),
+        &format!("blocks = {pool_blocks}"),
+    );
+    let mut results = Vec::new();
+    for (mode, extra) in [
+        ("tiers off", "host_cache_blocks = 0\n"),
+        ("host tier", "host_cache_blocks = 1024\n"),
+    ] {
+        let e = LocalEngine::start(&format!("{pool}{extra}"), dir)?;
+        // Every tenant has been seen once (not timed): the steady state of a service whose
+        // tenants come back.
+        for system in &systems {
+            e.ttft(&format!("{system}\nWarm-up."))?;
+        }
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let started = std::time::Instant::now();
+        let outcomes: Vec<super::report::Outcome> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..CLIENTS)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut out = Vec::new();
+                        loop {
+                            let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            let Some(job) = jobs.get(i) else { break };
+                            out.push(client::stream_completion(
+                                &e.target, MODEL_ID, job, None, None,
+                            ));
+                        }
+                        out
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_default())
+                .collect()
+        });
+        let secs = started.elapsed().as_secs_f64();
+        if let Some(err) = outcomes.iter().find_map(|o| o.error.clone()) {
+            bail!("{mode}: {err}");
+        }
+        let ttft: Vec<f64> = outcomes
+            .iter()
+            .filter_map(|o| o.ttft.map(|t| t.as_secs_f64()))
+            .collect();
+        let (cached, prompt): (u64, u64) = outcomes.iter().fold((0, 0), |(c, p), o| {
+            (c + o.cached_tokens, p + o.prompt_tokens)
+        });
+        let r = ThroughputResult {
+            mode,
+            requests: outcomes.len(),
+            requests_per_sec: outcomes.len() as f64 / secs,
+            ttft_p50_secs: percentile(&ttft, 0.5),
+            ttft_p99_secs: percentile(&ttft, 0.99),
+            cached_fraction: cached as f64 / prompt.max(1) as f64,
+        };
+        eprintln!("{r:?}");
+        results.push(r);
+    }
+    println!(
+        "shared prefix, system prompts 4x the pool ({TENANTS} x {PROMPT_TOKENS} tokens on \
+         {pool_blocks} blocks), {REQUESTS} requests from {CLIENTS} clients:"
+    );
+    println!(
+        "{:<10} {:>8} {:>12} {:>12} {:>8}",
+        "mode", "req/s", "TTFT p50 ms", "TTFT p99 ms", "cached"
+    );
+    for r in &results {
+        println!(
+            "{:<10} {:>8.2} {:>12.0} {:>12.0} {:>8.3}",
+            r.mode,
+            r.requests_per_sec,
+            r.ttft_p50_secs * 1e3,
+            r.ttft_p99_secs * 1e3,
+            r.cached_fraction
+        );
+    }
+    let ratio = results[1].requests_per_sec / results[0].requests_per_sec.max(1e-9);
+    println!("throughput, host tier against tiers off: {ratio:.2}x");
+    write_json(json, &results)
 }

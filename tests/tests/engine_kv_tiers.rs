@@ -102,8 +102,24 @@ fn the_disk_tier_survives_a_restart_and_never_serves_a_corrupt_block() {
     let want = {
         let e = Engine::start(&config);
         let (want, _) = ask(&e, &prompt);
+        // A drain persists the cache to disk while the engine keeps running (and so does a
+        // stop, after it).
+        let r = e.admin("POST", "/admin/drain", "");
+        assert_eq!(r.status, 200, "{}", r.body);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while kvb_files(dir.path()).len() < 12 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        assert!(
+            kvb_files(dir.path()).len() >= 12,
+            "the drain did not persist the prompt's blocks"
+        );
+        let status = e.admin("GET", "/admin/status", "").json();
+        assert!(
+            status["tiers"]["saved_blocks"].as_u64().unwrap_or(0) >= 12,
+            "{status}"
+        );
         want
-        // Stopping persists the cache to disk.
     };
     assert!(
         kvb_files(dir.path()).len() >= 12,
@@ -151,4 +167,101 @@ fn the_disk_tier_survives_a_restart_and_never_serves_a_corrupt_block() {
         .expect_err("a directory of another deployment is refused")
         .to_string();
     assert!(err.contains("another deployment"), "{err}");
+}
+
+/// A greedy chat as the gateway sends it (engine token, tenancy headers), with `extra` headers.
+fn gated_ask(e: &Engine, scope: &str, prompt: &str, extra: &[(&str, &str)]) -> (String, u64) {
+    use kvgate_tests::gateway::ENGINE_TOKEN;
+    let auth = format!("Bearer {ENGINE_TOKEN}");
+    let mut headers = vec![
+        ("authorization", auth.as_str()),
+        ("x-kvgate-tenant", scope),
+        ("x-kvgate-scope", scope),
+    ];
+    headers.extend_from_slice(extra);
+    let body = format!(
+        r#"{{"model":"{}","messages":[{{"role":"user","content":{}}}],"temperature":0,"max_tokens":6}}"#,
+        kvgate_tests::MODEL,
+        Value::String(prompt.into())
+    );
+    let r = kvgate_tests::request(e.addr, "POST", "/v1/chat/completions", &headers, &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let j = r.json();
+    (
+        j["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned(),
+        j["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
+    )
+}
+
+#[test]
+fn a_prefix_comes_from_the_peer_that_holds_it_and_a_bad_peer_costs_only_a_recompute() {
+    use kvgate_tests::gateway::gated_engine;
+    let prompt = long_prompt("rivers");
+    let holder = gated_engine("blocks = 64");
+    let (want, _) = gated_ask(&holder, "acme", &prompt, &[]);
+    let peer = format!("http://{}", holder.addr);
+
+    // A fresh engine told where the prefix lives fetches it instead of computing it.
+    let taker = gated_engine("blocks = 64\nhost_cache_blocks = 64");
+    let hint = [("x-kvgate-prefix-peer", peer.as_str())];
+    let (got, cached) = gated_ask(&taker, "acme", &prompt, &hint);
+    assert_eq!(
+        got, want,
+        "fetched blocks must hold exactly the computed KV"
+    );
+    assert!(cached >= 176, "only {cached} tokens came from the peer");
+    assert!(taker.metric("kvgate_kv_tier_hit_tokens_total{tier=\"peer\"}") >= 176.0);
+    assert_eq!(
+        taker.metric("kvgate_kv_peer_fetches_total{result=\"complete\"}"),
+        1.0
+    );
+
+    // Another tenant's request, with the same text and the same hint, gets nothing: the peer
+    // holds no block of its scope.
+    let (_, cached) = gated_ask(&taker, "globex", &prompt, &hint);
+    assert_eq!(
+        cached, 0,
+        "a scope hit another scope's blocks through a peer"
+    );
+
+    // A peer that is not there, or not an engine, costs a recompute and nothing else.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_url = format!("http://{}", dead.local_addr().unwrap());
+    drop(dead);
+    let junk = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let junk_url = format!("http://{}", junk.local_addr().unwrap());
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        for s in junk.incoming().flatten().take(4) {
+            let mut s = s;
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            let body = vec![0x5au8; 4096];
+            let _ = write!(
+                s,
+                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = s.write_all(&body);
+        }
+    });
+    for url in [&dead_url, &junk_url] {
+        let fresh = gated_engine("blocks = 64\nhost_cache_blocks = 64");
+        let (got, cached) = gated_ask(&fresh, "acme", &prompt, &[("x-kvgate-prefix-peer", url)]);
+        assert_eq!(got, want);
+        assert_eq!(cached, 0, "{url}: a block from a bad peer was served");
+        assert_eq!(
+            fresh.metric("kvgate_kv_tier_hit_tokens_total{tier=\"peer\"}"),
+            0.0
+        );
+    }
+
+    // The transfer endpoint is the engines' own: no token, no blocks.
+    let r = kvgate_tests::request(holder.addr, "POST", "/kv/blocks", &[], r#"{"hashes":[]}"#);
+    assert_eq!(r.status, 401, "{}", r.body);
 }

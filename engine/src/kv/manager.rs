@@ -81,8 +81,11 @@ pub struct KvCacheManager {
     pub(super) counters: KvCounters,
     /// Cached blocks evicted from the device pool (see [`super::tier`]).
     pub(super) host_tier: TierStore,
-    /// Cached blocks spilled from the host tier, when the disk tier is on.
+    /// Cached blocks spilled from the host tier, when the disk tier is configured.
     pub(super) disk_tier: Option<TierStore>,
+    /// The disk tier turned itself off (a full disk): nothing goes to it or comes from it, but
+    /// its index stays so that a flush still deletes its files.
+    pub(super) disk_off: bool,
     /// Tier copies planned and not yet taken by the worker, in order.
     pub(super) tier_ops: Vec<TierOp>,
     pub(super) tier_counters: TierCounters,
@@ -107,6 +110,7 @@ impl KvCacheManager {
             host_tier: TierStore::new(config.tiers.host_blocks as usize),
             disk_tier: (config.tiers.disk_blocks > 0 && config.tiers.host_blocks > 0)
                 .then(|| TierStore::new(config.tiers.disk_blocks as usize)),
+            disk_off: false,
             tier_ops: Vec::new(),
             tier_counters: TierCounters::default(),
         }
@@ -224,9 +228,13 @@ impl KvCacheManager {
         let hits = self.cached_prefix(prompt);
         // The cached run goes on in the host tier: those blocks are promoted (new device blocks,
         // as many as the free ones allow).
+        let revived = hits
+            .iter()
+            .filter(|b| self.pool.meta(**b).ref_count == 0)
+            .count();
         let promote = self
             .host_run_len(prompt, hits.len())
-            .min(self.pool.num_free());
+            .min(self.pool.num_free().saturating_sub(revived));
         // Hits held only by other tenants (or by nobody) are new to this one.
         let new_to_tenant = prompt.tenant.map_or(0, |t| {
             hits.iter()
@@ -595,7 +603,7 @@ impl KvCacheManager {
                 .iter()
                 .map(|(_, b)| block(b.scope, b.hash, Tier::Host)),
         );
-        if let Some(disk) = &self.disk_tier {
+        if let Some(disk) = self.disk_tier.as_ref().filter(|_| !self.disk_off) {
             blocks.extend(
                 disk.iter()
                     .filter(|(_, b)| !self.is_faster_than_disk(b.hash))
@@ -636,7 +644,17 @@ impl KvCacheManager {
 
     /// The disk tier's blocks, when it is on.
     pub fn disk_tier(&self) -> Option<&TierStore> {
-        self.disk_tier.as_ref()
+        self.disk_tier.as_ref().filter(|_| !self.disk_off)
+    }
+
+    /// A public fingerprint of the hash recipe for `purpose` (see `BlockHasher::fingerprint`).
+    pub fn fingerprint(&self, purpose: &str) -> [u8; 16] {
+        self.hasher.fingerprint(purpose)
+    }
+
+    /// A secret key derived from the hash recipe for `purpose` (see `BlockHasher::secret_key`).
+    pub fn secret_key(&self, purpose: &str) -> [u8; 32] {
+        self.hasher.secret_key(purpose)
     }
 
     pub fn pool(&self) -> &BlockPool {

@@ -427,7 +427,8 @@ fn persisting_writes_device_and_host_blocks_not_yet_on_disk() {
     m.free(SeqId(1)).unwrap();
     start(&mut m, 2, "a", &toks(100..109));
     m.take_tier_ops();
-    assert_eq!(m.persist_to_disk(), 5);
+    assert_eq!(m.persist_to_disk(2), 2, "as many as asked for");
+    assert_eq!(m.persist_to_disk(100), 3);
     let ops = m.take_tier_ops();
     assert_eq!(
         ops.iter()
@@ -435,7 +436,7 @@ fn persisting_writes_device_and_host_blocks_not_yet_on_disk() {
             .count(),
         5
     );
-    assert_eq!(m.persist_to_disk(), 0, "everything is on disk now");
+    assert_eq!(m.persist_to_disk(100), 0, "everything is on disk now");
     // A restart finds them: the restored tier answers the same run.
     let blocks: Vec<_> = m
         .snapshot_after_drain()

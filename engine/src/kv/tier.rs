@@ -54,6 +54,30 @@ pub enum TierOp {
 pub struct TierBlock {
     pub hash: BlockHash,
     pub scope: ScopeId,
+    /// How a host-tier block got there (its promotion counts as a hit of that tier).
+    pub origin: Origin,
+}
+
+/// Where a host-tier block came from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Origin {
+    /// Demoted from the device pool.
+    #[default]
+    Device,
+    /// Read back from the disk tier.
+    Disk,
+    /// Fetched from a peer engine.
+    Peer,
+}
+
+impl TierBlock {
+    pub fn new(hash: BlockHash, scope: ScopeId) -> Self {
+        TierBlock {
+            hash,
+            scope,
+            origin: Origin::Device,
+        }
+    }
 }
 
 /// Fixed slots of cached blocks, least recently used first out.
@@ -231,10 +255,16 @@ pub struct TierConfig {
 /// Cumulative tier counters, for metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TierCounters {
-    /// Prompt tokens served by promoting blocks from the host tier.
+    /// Prompt tokens served by promoting blocks the host tier kept.
     pub host_hit_tokens: u64,
     /// Prompt tokens served by blocks read from the disk tier (then promoted from the host).
     pub disk_hit_tokens: u64,
+    /// Prompt tokens served by blocks fetched from a peer engine (then promoted).
+    pub peer_hit_tokens: u64,
+    /// Blocks fetched from peers into the host tier.
+    pub imported_blocks: u64,
+    /// Blocks written to disk to persist the cache (a drain, a stop).
+    pub saved_blocks: u64,
     /// Blocks promoted host -> device.
     pub promoted_blocks: u64,
     /// Blocks loaded disk -> host.
@@ -279,7 +309,17 @@ impl KvCacheManager {
         // must not evict the rest of it.
         let run: Vec<(u32, BlockHash)> = prompt.hashes[from..from + n]
             .iter()
-            .filter_map(|h| self.host_tier.take(*h).map(|(slot, _)| (slot, *h)))
+            .filter_map(|h| {
+                let (slot, b) = self.host_tier.take(*h)?;
+                let tokens = self.block_size as u64;
+                let c = &mut self.tier_counters;
+                match b.origin {
+                    Origin::Device => c.host_hit_tokens += tokens,
+                    Origin::Disk => c.disk_hit_tokens += tokens,
+                    Origin::Peer => c.peer_hit_tokens += tokens,
+                }
+                Some((slot, *h))
+            })
             .collect();
         debug_assert_eq!(run.len(), n);
         for (i, &(slot, hash)) in run.iter().enumerate() {
@@ -297,17 +337,18 @@ impl KvCacheManager {
             self.host_tier.release(slot);
         }
         self.tier_counters.promoted_blocks += run.len() as u64;
-        self.tier_counters.host_hit_tokens += (run.len() * self.block_size) as u64;
     }
 
     /// Device block `device`, cached as `hash` in `scope`, is being reused: its block moves to
     /// the host tier. False when there is no host tier and no disk copy (the block is gone).
     pub(super) fn demote(&mut self, hash: BlockHash, scope: ScopeId, device: BlockId) -> bool {
-        let Some((slot, evicted)) = self.host_tier.insert(TierBlock { hash, scope }) else {
-            return self.disk_tier.as_ref().is_some_and(|d| d.contains(hash)) && {
-                self.events.tier(hash, Tier::Disk);
-                true
-            };
+        let Some((slot, evicted)) = self.host_tier.insert(TierBlock::new(hash, scope)) else {
+            return self.disk_on()
+                && self.disk_tier.as_ref().is_some_and(|d| d.contains(hash))
+                && {
+                    self.events.tier(hash, Tier::Disk);
+                    true
+                };
         };
         if let Some(old) = evicted {
             self.spill(slot, old);
@@ -320,7 +361,8 @@ impl KvCacheManager {
 
     /// Host slot `slot`'s block `old` is evicted from the host tier: to disk, unless it is there.
     fn spill(&mut self, slot: u32, old: TierBlock) {
-        let Some(disk) = &mut self.disk_tier else {
+        let on = self.disk_on();
+        let Some(disk) = self.disk_tier.as_mut().filter(|_| on) else {
             self.events.removed(old.hash);
             self.tier_counters.dropped_blocks += 1;
             return;
@@ -329,7 +371,10 @@ impl KvCacheManager {
             self.events.tier(old.hash, Tier::Disk);
             return;
         }
-        let Some((_, gone)) = disk.insert(old) else {
+        let Some((_, gone)) = disk.insert(TierBlock {
+            origin: Origin::Device,
+            ..old
+        }) else {
             self.events.removed(old.hash);
             return;
         };
@@ -355,6 +400,11 @@ impl KvCacheManager {
         }
     }
 
+    /// Whether the disk tier is on (configured, and not turned off by a full disk).
+    pub(super) fn disk_on(&self) -> bool {
+        self.disk_tier.is_some() && !self.disk_off
+    }
+
     /// Whether the device pool or the host tier holds `hash`.
     pub(super) fn is_faster_than_disk(&self, hash: BlockHash) -> bool {
         self.index.get(hash).is_some() || self.host_tier.contains(hash)
@@ -371,13 +421,13 @@ impl KvCacheManager {
 
     /// Whether the disk tier is on.
     pub fn has_disk_tier(&self) -> bool {
-        self.disk_tier.is_some()
+        self.disk_on()
     }
 
     /// The blocks of `prompt` that continue its cached run (device pool, then host tier) on disk:
     /// what a load must read before the prompt is admitted. Empty without a disk tier.
     pub fn disk_run(&self, prompt: &HashedPrompt) -> Vec<BlockHash> {
-        let Some(disk) = &self.disk_tier else {
+        let Some(disk) = self.disk_tier.as_ref().filter(|_| !self.disk_off) else {
             return Vec::new();
         };
         let cap = prompt.num_tokens.saturating_sub(1) / self.block_size;
@@ -408,20 +458,61 @@ impl KvCacheManager {
     /// or `None` when it is no longer on disk or already in a faster tier. Run the tier ops
     /// taken right after this before writing the slot (they may read its old block out).
     pub fn load_from_disk(&mut self, hash: BlockHash) -> Option<u32> {
-        if self.is_faster_than_disk(hash) {
+        if self.is_faster_than_disk(hash) || !self.disk_on() {
             return None;
         }
         let disk = self.disk_tier.as_mut()?;
         let scope = disk.get(hash).and_then(|s| disk.block(s))?.scope;
         disk.touch(hash);
-        let (slot, evicted) = self.host_tier.insert(TierBlock { hash, scope })?;
+        let slot = self.enter_host(hash, scope, Origin::Disk)?;
+        self.tier_counters.loaded_blocks += 1;
+        Some(slot)
+    }
+
+    /// A block fetched from a peer engine enters the host tier, in `scope` (the scope the
+    /// requester hashed it in): returns the host slot its bytes go to, or `None` when a tier
+    /// here holds it already. Run the tier ops taken right after this before writing the slot.
+    pub fn import_to_host(&mut self, hash: BlockHash, scope: ScopeId) -> Option<u32> {
+        if self.is_faster_than_disk(hash) {
+            return None;
+        }
+        let slot = self.enter_host(hash, scope, Origin::Peer)?;
+        self.tier_counters.imported_blocks += 1;
+        Some(slot)
+    }
+
+    fn enter_host(&mut self, hash: BlockHash, scope: ScopeId, origin: Origin) -> Option<u32> {
+        let (slot, evicted) = self.host_tier.insert(TierBlock {
+            hash,
+            scope,
+            origin,
+        })?;
         if let Some(old) = evicted {
             self.spill(slot, old);
         }
-        self.tier_counters.loaded_blocks += 1;
-        self.tier_counters.disk_hit_tokens += self.block_size as u64;
         self.events.tier(hash, Tier::Host);
         Some(slot)
+    }
+
+    /// The blocks of a prompt's cached run (from its first block) that no tier here holds:
+    /// what a peer could send. At most half the host tier.
+    pub fn missing_run(&self, prompt: &HashedPrompt) -> Vec<BlockHash> {
+        let cap = prompt.num_tokens.saturating_sub(1) / self.block_size;
+        let cap = cap.min(prompt.hashes.len());
+        let device = self.cached_prefix_len(prompt);
+        let host = self.host_run_len(prompt, device);
+        let mut from = (device + host).min(cap);
+        if let Some(disk) = self.disk_tier.as_ref().filter(|_| self.disk_on()) {
+            from += prompt.hashes[from..cap]
+                .iter()
+                .take_while(|h| disk.contains(**h))
+                .count();
+        }
+        prompt.hashes[from..cap]
+            .iter()
+            .take(self.host_tier.capacity() / 2)
+            .copied()
+            .collect()
     }
 
     /// A host slot that a load was to fill holds nothing usable (the read failed): forget it.
@@ -446,15 +537,20 @@ impl KvCacheManager {
 
     /// Turns the disk tier off (the disk is full or failing): its blocks are no longer cached
     /// unless a faster tier holds them. Its files stay.
+    /// Its index stays, so a flush still deletes the files it knows.
     pub fn disable_disk_tier(&mut self) {
-        let Some(disk) = self.disk_tier.take() else {
+        if !self.disk_on() {
             return;
-        };
-        for (_, b) in disk.iter() {
-            if !self.is_faster_than_disk(b.hash) {
-                self.events.removed(b.hash);
-            }
         }
+        self.disk_off = true;
+        let gone: Vec<BlockHash> = self
+            .disk_tier
+            .iter()
+            .flat_map(|d| d.iter())
+            .map(|(_, b)| b.hash)
+            .filter(|h| !self.is_faster_than_disk(*h))
+            .collect();
+        self.events.removed_many(gone);
     }
 
     /// Rebuilds the disk tier's index from the files found at start-up, least recently used
@@ -465,72 +561,61 @@ impl KvCacheManager {
             let Some(disk) = self.disk_tier.as_mut() else {
                 return;
             };
-            if let Some((_, Some(gone))) = disk.insert(TierBlock { hash, scope }) {
+            if let Some((_, Some(gone))) = disk.insert(TierBlock::new(hash, scope)) {
                 self.drop_from_disk(gone);
             }
         }
     }
 
-    /// Plans writing every cached block that is not on disk yet to the disk tier (before a
-    /// drain ends or the engine stops), most recently used last: device blocks are saved,
-    /// host-tier blocks spilled. Returns how many are written.
-    pub fn persist_to_disk(&mut self) -> usize {
-        let Some(disk) = &self.disk_tier else {
+    /// Plans writing up to `max` cached blocks that are not on disk yet to the disk tier (before
+    /// a drain ends or the engine stops), the hottest first: device blocks in use, then cached
+    /// device blocks and host-tier blocks from the most recently used down. Device blocks are
+    /// saved, host-tier blocks spilled. Returns how many are planned; call again for the rest.
+    pub fn persist_to_disk(&mut self, max: usize) -> usize {
+        let Some(disk) = self.disk_tier.as_ref().filter(|_| !self.disk_off) else {
             return 0;
         };
-        let host: Vec<(u32, TierBlock)> = self
+        // Coldest first, then reversed.
+        let mut todo: Vec<(Option<u32>, BlockId, BlockHash, ScopeId)> = self
             .host_tier
             .iter()
             .filter(|(_, b)| !disk.contains(b.hash))
+            .map(|(slot, b)| (Some(slot), BlockId(0), b.hash, b.scope))
             .collect();
-        // Device blocks in use are the hottest; cached free ones from least recently used up.
-        let mut device: Vec<(BlockId, BlockHash, ScopeId)> = self
-            .pool
-            .free_list()
-            .chain(self.pool.ids().filter(|b| !self.pool.is_free(*b)))
-            .filter_map(|b| {
-                let meta = self.pool.meta(b);
-                let hash = meta.hash?;
-                (!disk.contains(hash)).then_some((b, hash, meta.scope))
-            })
-            .collect();
-        // Never more than the disk holds (the last, hottest, win).
-        let room = disk.capacity();
-        let total = host.len() + device.len();
-        let skip = total.saturating_sub(room);
-        let host_skip = skip.min(host.len());
-        device.drain(..(skip - host_skip).min(device.len()));
-        let mut written = 0;
-        for (slot, b) in host.into_iter().skip(host_skip) {
+        todo.extend(
+            self.pool
+                .free_list()
+                .chain(self.pool.ids().filter(|b| !self.pool.is_free(*b)))
+                .filter_map(|b| {
+                    let meta = self.pool.meta(b);
+                    let hash = meta.hash?;
+                    (!disk.contains(hash)).then_some((None, b, hash, meta.scope))
+                }),
+        );
+        todo.reverse();
+        // Never more than the disk holds.
+        todo.truncate(max.min(disk.capacity()));
+        // Inserted coldest first, so the hottest end up most recently used.
+        todo.reverse();
+        let n = todo.len();
+        for (slot, id, hash, scope) in todo {
             let Some(disk) = self.disk_tier.as_mut() else {
                 break;
             };
-            if let Some((_, Some(gone))) = disk.insert(b) {
+            if let Some((_, Some(gone))) = disk.insert(TierBlock::new(hash, scope)) {
                 self.drop_from_disk(gone);
             }
-            self.tier_ops.push(TierOp::Spill {
-                host: slot,
-                hash: b.hash,
-                scope: b.scope,
+            self.tier_ops.push(match slot {
+                Some(host) => TierOp::Spill { host, hash, scope },
+                None => TierOp::Save {
+                    device: id,
+                    hash,
+                    scope,
+                },
             });
-            written += 1;
         }
-        for (id, hash, scope) in device {
-            let Some(disk) = self.disk_tier.as_mut() else {
-                break;
-            };
-            if let Some((_, Some(gone))) = disk.insert(TierBlock { hash, scope }) {
-                self.drop_from_disk(gone);
-            }
-            self.tier_ops.push(TierOp::Save {
-                device: id,
-                hash,
-                scope,
-            });
-            written += 1;
-        }
-        self.tier_counters.spilled_blocks += written as u64;
-        written
+        self.tier_counters.saved_blocks += n as u64;
+        n
     }
 }
 
@@ -539,10 +624,7 @@ mod tests {
     use super::*;
 
     fn b(i: u128) -> TierBlock {
-        TierBlock {
-            hash: BlockHash(i),
-            scope: ScopeId(0),
-        }
+        TierBlock::new(BlockHash(i), ScopeId(0))
     }
 
     #[test]

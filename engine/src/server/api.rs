@@ -252,6 +252,7 @@ async fn generate(
     }
     check_engine_token(&state, &req)?;
     let who = tenancy(&state, &req)?;
+    let peer = super::peer::hint(&state, &req);
     let body = http::read_body(req, state.max_body_bytes).await?;
     let p = prepare(&state, kind, &body)?;
     let max_tokens = p.params.max_tokens_for(p.prompt.len(), state.context_len)?;
@@ -273,6 +274,10 @@ async fn generate(
         id,
         finished: false,
     };
+    // A peer holds more of the prefix than this engine: its blocks come over first.
+    if let Some(peer) = &peer {
+        super::peer::fetch(&state, peer, &who.scope, &p.prompt).await;
+    }
     state
         .commands
         .send(Command::Submit(

@@ -55,8 +55,8 @@ pub fn start(config: &EngineConfig, dir: &Path) -> Result<Arc<ServerState>, Laun
     })
 }
 
-/// Host-tier blocks that stage disk reads when only the disk tier is configured (a load takes
-/// at most half: 2,048 tokens at 16 per block).
+/// Host-tier blocks that stage disk reads and peer transfers when no host tier is configured (a
+/// load takes at most half: 2,048 tokens at 16 per block).
 const DISK_STAGING_BLOCKS: u32 = 256;
 
 /// Starts the engine on `backend` with a KV pool of `kv_dtype`; `default_blocks(bytes per block,
@@ -88,10 +88,28 @@ fn start_on<B: Backend + 'static>(
     // host tier asked for, a small one stages the disk's reads.
     let host_tier = match (config.kv.host_cache_blocks, config.kv.host_cache_bytes) {
         (Some(b), _) => b,
-        (None, Some(bytes)) => (bytes / per_block as u64).max(1) as u32,
-        (None, None) if config.kv.disk_dir.is_some() => DISK_STAGING_BLOCKS,
+        (None, Some(bytes)) => u32::try_from((bytes / per_block as u64).max(1))
+            .map_err(|_| LaunchError::Config("kv.host_cache_bytes: too large".into()))?,
+        // The disk tier's reads and peer transfers (on with the engine token) are staged there.
+        (None, None) if config.kv.disk_dir.is_some() || config.auth.engine_token.is_some() => {
+            DISK_STAGING_BLOCKS
+        }
         (None, None) => 0,
     };
+    if config.kv.disk_dir.is_some() && host_tier == 0 {
+        return Err(LaunchError::Config(
+            "kv.disk_dir: the disk tier needs a host tier to stage its reads \
+             (kv.host_cache_blocks > 0, or leave it unset)"
+                .into(),
+        ));
+    }
+    let host_pool = config
+        .kv
+        .host_blocks
+        .checked_add(host_tier)
+        .ok_or_else(|| {
+            LaunchError::Config("kv.host_blocks + the host tier: too many blocks".into())
+        })?;
     let model = Llama::load(
         backend,
         dir,
@@ -99,7 +117,7 @@ fn start_on<B: Backend + 'static>(
             dtype: wdtype,
             kv_dtype,
             num_blocks,
-            num_host_blocks: (config.kv.host_blocks + host_tier) as usize,
+            num_host_blocks: host_pool as usize,
             block_size,
         },
     )?;
@@ -116,12 +134,24 @@ fn start_on<B: Backend + 'static>(
         block_size: config.kv.block_size,
         seed: config.seed(),
     });
+    // The weights are part of what a block means: other weights under the same name are
+    // another deployment, for the disk tier and for peers.
+    let digest =
+        model_digest(dir).map_err(|e| LaunchError::Config(format!("{}: {e}", dir.display())))?;
+    let peer = config.auth.engine_token.as_ref().map(|_| disk::PeerCodec {
+        fingerprint: hasher.fingerprint(&format!("{}/{digest}", disk::PEER_PURPOSE)),
+        key: hasher.secret_key(&format!("{}/{digest}", disk::PEER_PURPOSE)),
+        block_bytes: per_block,
+    });
     let disk = match &config.kv.disk_dir {
         Some(path) => {
-            let fingerprint = hasher.fingerprint(disk::FINGERPRINT_PURPOSE);
-            let (files, scan) = disk::DiskFiles::open(path, fingerprint, &model_id, per_block)
+            let fingerprint =
+                hasher.fingerprint(&format!("{}/{digest}", disk::FINGERPRINT_PURPOSE));
+            let key = hasher.secret_key(disk::MAC_PURPOSE);
+            let (files, scan) = disk::DiskFiles::open(path, fingerprint, key, &model_id, per_block)
                 .map_err(LaunchError::Config)?;
-            let slots = (config.kv.disk_bytes / files.file_bytes(64) as u64).max(1) as u32;
+            let slots = u32::try_from((config.kv.disk_bytes / files.file_bytes(64) as u64).max(1))
+                .unwrap_or(u32::MAX);
             tracing::info!(
                 dir = %path.display(),
                 blocks = scan.blocks.len(),
@@ -190,7 +220,7 @@ fn start_on<B: Backend + 'static>(
         kv_tx.clone(),
     )
     .with_stall_timeout(config.stalled_client_timeout())
-    .with_tiers(config.kv.host_blocks, disk_io);
+    .with_tiers(config.kv.host_blocks, disk_io, peer.clone());
     let engine = EngineThread::spawn(DEFAULT_STALL_AFTER, move |beat| worker.run(rx, beat))
         .map_err(LaunchError::Thread)?;
     Ok(Arc::new(ServerState {
@@ -213,6 +243,8 @@ fn start_on<B: Backend + 'static>(
         engine_token: config.auth.engine_token.clone(),
         operator_token: config.auth.operator_token.clone(),
         draining: AtomicBool::new(false),
+        peer,
+        exports: Arc::new(tokio::sync::Semaphore::new(super::peer::MAX_EXPORTS)),
         inflight: AtomicUsize::new(0),
         next_id: AtomicU64::new(1),
         closing: tokio::sync::watch::channel(false).0,
@@ -220,6 +252,37 @@ fn start_on<B: Backend + 'static>(
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
     }))
+}
+
+/// A digest of a model directory's weights and configuration, for the disk tier's fingerprint:
+/// `config.json` whole, and of each weight file its name, its length and 64 KiB samples at 33
+/// evenly spaced offsets. Cheap on any model size; weights that were retrained or fine-tuned
+/// differ in the samples.
+pub fn model_digest(dir: &Path) -> std::io::Result<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    const SAMPLE: u64 = 64 << 10;
+    let mut h = blake3::Hasher::new();
+    h.update(&std::fs::read(dir.join("config.json"))?);
+    let mut files: Vec<_> = std::fs::read_dir(dir)?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    let mut buf = vec![0u8; SAMPLE as usize];
+    for path in files {
+        let mut f = std::fs::File::open(&path)?;
+        let len = f.metadata()?.len();
+        h.update(path.file_name().map_or(&[][..], |n| n.as_encoded_bytes()));
+        h.update(&len.to_le_bytes());
+        for i in 0..=32u64 {
+            let at = (len.saturating_sub(SAMPLE)) * i / 32;
+            f.seek(SeekFrom::Start(at))?;
+            let n = f.read(&mut buf)?;
+            h.update(&buf[..n]);
+        }
+    }
+    Ok(h.finalize().to_hex()[..32].to_owned())
 }
 
 /// The engine's `[sampling]` over the model's `generation_config.json` (when it has one).

@@ -292,9 +292,34 @@ fn tier_metrics(o: &mut String, t: &crate::stats::TierStats) {
         o,
         "kvgate_kv_tier_hit_tokens_total",
         "counter",
-        "Prompt tokens served from a slower tier instead of computed.",
+        "Prompt tokens served from a slower tier (or a peer engine) instead of computed.",
         "tier",
-        &pair(t.host_hit_tokens, t.disk_hit_tokens),
+        &[
+            ("host", t.host_hit_tokens as f64),
+            ("disk", t.disk_hit_tokens as f64),
+            ("peer", t.peer_hit_tokens as f64),
+        ],
+    );
+    let f = t.peer_fetches;
+    by_label(
+        o,
+        "kvgate_kv_peer_fetches_total",
+        "counter",
+        "Prefix fetches from peer engines, by how they ended.",
+        "result",
+        &[
+            ("complete", f.complete as f64),
+            ("partial", f.partial as f64),
+            ("failed", f.failed as f64),
+            ("timed_out", f.timed_out as f64),
+        ],
+    );
+    scalar(
+        o,
+        "kvgate_kv_peer_blocks_total",
+        "counter",
+        "Blocks peer fetches brought into the host tier.",
+        t.peer_blocks,
     );
     by_label(
         o,
@@ -323,9 +348,13 @@ fn tier_metrics(o: &mut String, t: &crate::stats::TierStats) {
         o,
         "kvgate_kv_tier_load_seconds_total",
         "counter",
-        "Time spent moving blocks: host copies (host) and disk reads (disk).",
+        "Time spent moving blocks: host copies (host), disk reads (disk), peer fetches (peer).",
         "tier",
-        &[("host", t.copy_seconds), ("disk", t.load_seconds)],
+        &[
+            ("host", t.copy_seconds),
+            ("disk", t.load_seconds),
+            ("peer", t.peer_seconds),
+        ],
     );
     scalar(
         o,

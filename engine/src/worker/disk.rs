@@ -5,14 +5,20 @@
 //! ```text
 //! magic "KVGBLK01" | fingerprint (16) | hash (16, LE) | scope length (u32 LE) | scope
 //! | payload length (u64 LE) | payload (every layer's K then V block, storage type, LE)
-//! | BLAKE3 of everything before (32)
+//! | keyed BLAKE3 of everything before (32)
 //! ```
 //!
 //! - Writes go to a temporary name and are renamed into place, so a reader never sees half a
-//!   file; a file cut short by a crash fails its length or checksum check and is never served.
-//! - The fingerprint is the deployment's (model, KV type, block size, hash seed; see
-//!   `BlockHasher::fingerprint`); the directory's `kvgate-kv.json` names it, and start-up refuses a
-//!   directory of another deployment's blocks.
+//!   file; a file cut short by a crash fails its length or MAC check and is never served.
+//! - The MAC's key is derived from the deployment's hash root (`BlockHasher::secret_key`): a file
+//!   written by anyone without the seed, or for another block, is refused. The directory is the
+//!   owner's only (0700, files 0600).
+//! - The fingerprint is the deployment's (model and a digest of its weights, KV type, block size,
+//!   hash seed; see `BlockHasher::fingerprint`). The directory's `kvgate-kv.json` names it, and
+//!   start-up refuses a directory of another deployment's blocks, a non-empty directory that is
+//!   not a disk tier, and a directory another engine holds (a lock).
+//! - Only files named like the tier's own (`<32 hex>.kvb`, `<32 hex>.<pid>.tmp`) are ever deleted.
+//! - Peers send blocks to each other in the same frames ([`encode_frame`], [`decode_frame`]).
 //! - One I/O thread does every job in the order sent, so a read after a write or a delete of the
 //!   same block sees it. Writes queued past a byte bound are refused (the block is not kept on
 //!   disk), so a slow disk never holds the engine thread up nor grows memory without bound.
@@ -21,27 +27,129 @@ use kvgate_protocol::BlockHash;
 use std::fs;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant, SystemTime};
 
 const MAGIC: &[u8; 8] = b"KVGBLK01";
 const MANIFEST: &str = "kvgate-kv.json";
+const LOCK: &str = "kvgate-kv.lock";
 const SUFFIX: &str = "kvb";
 /// Longest scope name a file may carry.
 const MAX_SCOPE: usize = 1024;
 /// Bytes of writes waiting for the I/O thread before more are refused.
-const MAX_QUEUED_WRITE_BYTES: usize = 256 << 20;
+pub const MAX_QUEUED_WRITE_BYTES: usize = 256 << 20;
+/// How long start-up waits for another engine (a restart's predecessor) to let go of the
+/// directory.
+const LOCK_WAIT: Duration = Duration::from_secs(15);
+const HEAD: usize = 8 + 16 + 16 + 4;
 
-/// The fingerprint purpose of disk-tier files.
+/// The fingerprint and key purposes of disk-tier files (the weights' digest is appended to the
+/// fingerprint's).
 pub const FINGERPRINT_PURPOSE: &str = "disk-tier/v1";
+pub const MAC_PURPOSE: &str = "disk-tier/mac/v1";
 
-/// A block file's location and layout.
-#[derive(Debug, Clone)]
+/// One block in transit: its hash, its scope, its bytes.
+#[derive(Debug)]
+pub struct Frame {
+    pub hash: BlockHash,
+    pub scope: String,
+    pub payload: Vec<u8>,
+}
+
+/// What peers need to send each other frames: the deployment's fingerprint (weights included)
+/// and MAC key, and a block's size.
+#[derive(Clone)]
+pub struct PeerCodec {
+    pub fingerprint: [u8; 16],
+    pub key: [u8; 32],
+    pub block_bytes: usize,
+}
+
+impl std::fmt::Debug for PeerCodec {
+    // The key is as secret as the hash seed: never print it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerCodec")
+            .field("block_bytes", &self.block_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The fingerprint and key purposes of peer frames (the weights' digest is appended to both).
+pub const PEER_PURPOSE: &str = "peer/v1";
+
+/// Bytes of one block's frame (or file).
+pub fn frame_bytes(block_bytes: usize, scope_len: usize) -> usize {
+    HEAD + scope_len + 8 + block_bytes + 32
+}
+
+/// A block as a file or peer frame.
+pub fn encode_frame(
+    fingerprint: [u8; 16],
+    key: &[u8; 32],
+    hash: BlockHash,
+    scope: &str,
+    payload: &[u8],
+) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(frame_bytes(payload.len(), scope.len()));
+    buf.extend_from_slice(MAGIC);
+    buf.extend_from_slice(&fingerprint);
+    buf.extend_from_slice(&hash.0.to_le_bytes());
+    buf.extend_from_slice(&(scope.len() as u32).to_le_bytes());
+    buf.extend_from_slice(scope.as_bytes());
+    buf.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    buf.extend_from_slice(payload);
+    let mac = blake3::keyed_hash(key, &buf);
+    buf.extend_from_slice(mac.as_bytes());
+    buf
+}
+
+/// The payload of a frame of block `hash`, after checking every field and the MAC.
+pub fn decode_frame(
+    frame: &[u8],
+    fingerprint: [u8; 16],
+    key: &[u8; 32],
+    hash: BlockHash,
+    block_bytes: usize,
+) -> Result<Vec<u8>, String> {
+    if frame.len() < HEAD + 8 + 32 {
+        return Err("truncated".into());
+    }
+    let (body, mac) = frame.split_at(frame.len() - 32);
+    if blake3::keyed_hash(key, body).as_bytes() != mac {
+        return Err("MAC mismatch (damaged, or not written by this deployment)".into());
+    }
+    if &body[..8] != MAGIC || body[8..24] != fingerprint {
+        return Err("not this deployment's block".into());
+    }
+    if body[24..40] != hash.0.to_le_bytes() {
+        return Err("holds another block".into());
+    }
+    let scope_len = u32::from_le_bytes(body[40..44].try_into().unwrap_or_default()) as usize;
+    if scope_len > MAX_SCOPE || frame.len() != frame_bytes(block_bytes, scope_len) {
+        return Err("wrong length".into());
+    }
+    Ok(body[HEAD + scope_len + 8..].to_vec())
+}
+
+/// A block file's location and layout, and the lock that keeps the directory this engine's.
+#[derive(Clone)]
 pub struct DiskFiles {
     dir: PathBuf,
     fingerprint: [u8; 16],
+    key: [u8; 32],
     block_bytes: usize,
+    _lock: Arc<fs::File>,
+}
+
+impl std::fmt::Debug for DiskFiles {
+    // The key is as secret as the hash seed: never print it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskFiles")
+            .field("dir", &self.dir)
+            .field("block_bytes", &self.block_bytes)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What start-up found in the directory.
@@ -65,17 +173,46 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The hash a tier file's name stands for: `<32 hex>.kvb`.
+fn block_name(name: &str) -> Option<BlockHash> {
+    let stem = name.strip_suffix(".kvb")?;
+    (stem.len() == 32 && stem.bytes().all(|b| b.is_ascii_hexdigit()))
+        .then(|| u128::from_str_radix(stem, 16).ok().map(BlockHash))
+        .flatten()
+}
+
+/// Whether `name` is a tier write's temporary file: `<32 hex>.kvb.<pid>.tmp`.
+fn is_temp_name(name: &str) -> bool {
+    let Some(rest) = name.strip_suffix(".tmp") else {
+        return false;
+    };
+    let Some((file, pid)) = rest.rsplit_once('.') else {
+        return false;
+    };
+    !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()) && block_name(file).is_some()
+}
+
+fn private_dir(dir: &Path) -> io::Result<()> {
+    let mut b = fs::DirBuilder::new();
+    b.recursive(true);
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
+    b.create(dir)
+}
+
 impl DiskFiles {
     /// Opens (creating it if needed) the tier directory for blocks of `block_bytes` bytes, and
-    /// lists the blocks it holds. Refuses a directory that holds another deployment's blocks.
+    /// lists the blocks it holds. Refuses a directory that holds another deployment's blocks, a
+    /// non-empty directory that is not a disk tier, and one that another engine holds.
     pub fn open(
         dir: &Path,
         fingerprint: [u8; 16],
+        key: [u8; 32],
         model: &str,
         block_bytes: usize,
     ) -> Result<(DiskFiles, Scan), String> {
         let shown = dir.display();
-        fs::create_dir_all(dir).map_err(|e| format!("kv.disk_dir {shown}: {e}"))?;
+        private_dir(dir).map_err(|e| format!("kv.disk_dir {shown}: {e}"))?;
         let manifest = Manifest {
             format: 1,
             fingerprint: hex(&fingerprint),
@@ -83,6 +220,7 @@ impl DiskFiles {
             model: model.to_owned(),
         };
         let path = dir.join(MANIFEST);
+        let lock = lock(&dir.join(LOCK)).map_err(|e| format!("kv.disk_dir {shown}: {e}"))?;
         match fs::read_to_string(&path) {
             Ok(text) => {
                 let found: Manifest = serde_json::from_str(&text)
@@ -91,13 +229,23 @@ impl DiskFiles {
                     return Err(format!(
                         "kv.disk_dir {shown} holds KV blocks of another deployment (model \
                          '{}', fingerprint {}); this engine serves '{model}' with fingerprint {} \
-                         (model, KV type, block size and hash seed). Point kv.disk_dir at another \
-                         directory, or empty this one.",
+                         (model and weights, KV type, block size and hash seed). Point \
+                         kv.disk_dir at another directory, or empty this one.",
                         found.model, found.fingerprint, manifest.fingerprint
                     ));
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                let others = fs::read_dir(dir)
+                    .map_err(|e| format!("kv.disk_dir {shown}: {e}"))?
+                    .flatten()
+                    .any(|e| e.file_name() != LOCK);
+                if others {
+                    return Err(format!(
+                        "kv.disk_dir {shown} is not empty and is not a kvgate disk tier (no \
+                         {MANIFEST}); give the disk tier a directory of its own"
+                    ));
+                }
                 let json = serde_json::to_string_pretty(&manifest).map_err(|e| e.to_string())?;
                 write_atomic(&path, json.as_bytes())
                     .map_err(|e| format!("{}: {e}", path.display()))?;
@@ -107,7 +255,9 @@ impl DiskFiles {
         let files = DiskFiles {
             dir: dir.to_owned(),
             fingerprint,
+            key,
             block_bytes,
+            _lock: Arc::new(lock),
         };
         let scan = files
             .scan()
@@ -117,7 +267,7 @@ impl DiskFiles {
 
     /// Bytes of one block's file.
     pub fn file_bytes(&self, scope_len: usize) -> usize {
-        MAGIC.len() + 16 + 16 + 4 + scope_len + 8 + self.block_bytes + 32
+        frame_bytes(self.block_bytes, scope_len)
     }
 
     fn path(&self, hash: BlockHash) -> PathBuf {
@@ -127,26 +277,23 @@ impl DiskFiles {
     fn scan(&self) -> io::Result<Scan> {
         let mut found: Vec<(SystemTime, BlockHash, String)> = Vec::new();
         let mut removed = 0;
-        for entry in fs::read_dir(&self.dir)? {
-            let entry = entry?;
+        for entry in fs::read_dir(&self.dir)?.flatten() {
             let path = entry.path();
             let name = entry.file_name();
             let Some(name) = name.to_str() else { continue };
-            if name.ends_with(".tmp") {
+            if !entry.file_type().is_ok_and(|t| t.is_file()) {
+                continue;
+            }
+            if is_temp_name(name) {
                 let _ = fs::remove_file(&path);
                 removed += 1;
                 continue;
             }
-            let Some(stem) = name.strip_suffix(&format!(".{SUFFIX}")) else {
+            let Some(hash) = block_name(name) else {
                 continue;
             };
-            let hash = u128::from_str_radix(stem, 16)
-                .ok()
-                .filter(|_| stem.len() == 32)
-                .map(BlockHash);
-            let header = hash.and_then(|h| Some((h, self.read_header(&path, h).ok()??)));
-            match header {
-                Some((hash, (scope, mtime))) => found.push((mtime, hash, scope)),
+            match self.read_header(&path, hash).ok().flatten() {
+                Some((scope, mtime)) => found.push((mtime, hash, scope)),
                 None => {
                     let _ = fs::remove_file(&path);
                     removed += 1;
@@ -168,15 +315,12 @@ impl DiskFiles {
     ) -> io::Result<Option<(String, SystemTime)>> {
         let mut f = fs::File::open(path)?;
         let meta = f.metadata()?;
-        let mut head = [0u8; 8 + 16 + 16 + 4];
+        let mut head = [0u8; HEAD];
         f.read_exact(&mut head)?;
-        let (magic, rest) = head.split_at(8);
-        let (fp, rest) = rest.split_at(16);
-        let (h, len) = rest.split_at(16);
-        let scope_len = u32::from_le_bytes(len.try_into().unwrap_or_default()) as usize;
-        if magic != MAGIC
-            || fp != self.fingerprint
-            || h != hash.0.to_le_bytes()
+        let scope_len = u32::from_le_bytes(head[40..44].try_into().unwrap_or_default()) as usize;
+        if &head[..8] != MAGIC
+            || head[8..24] != self.fingerprint
+            || head[24..40] != hash.0.to_le_bytes()
             || scope_len > MAX_SCOPE
             || meta.len() != self.file_bytes(scope_len) as u64
         {
@@ -198,64 +342,74 @@ impl DiskFiles {
         if payload.len() != self.block_bytes || scope.len() > MAX_SCOPE {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "bad block"));
         }
-        let mut buf = Vec::with_capacity(self.file_bytes(scope.len()));
-        buf.extend_from_slice(MAGIC);
-        buf.extend_from_slice(&self.fingerprint);
-        buf.extend_from_slice(&hash.0.to_le_bytes());
-        buf.extend_from_slice(&(scope.len() as u32).to_le_bytes());
-        buf.extend_from_slice(scope.as_bytes());
-        buf.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-        buf.extend_from_slice(payload);
-        let sum = blake3::hash(&buf);
-        buf.extend_from_slice(sum.as_bytes());
+        let buf = encode_frame(self.fingerprint, &self.key, hash, scope, payload);
         write_atomic(&self.path(hash), &buf)
     }
 
-    /// Reads block `hash`'s payload, checking every field and the checksum.
+    /// Reads block `hash`'s payload, checking every field and the MAC.
     pub fn read(&self, hash: BlockHash) -> Result<Vec<u8>, String> {
-        let buf = fs::read(self.path(hash)).map_err(|e| e.to_string())?;
-        if buf.len() < 32 {
-            return Err("truncated".into());
+        let path = self.path(hash);
+        let meta = fs::symlink_metadata(&path).map_err(|e| e.to_string())?;
+        // Never more than a block's file: a file swapped in by someone else is not read whole.
+        if !meta.is_file() || meta.len() > self.file_bytes(MAX_SCOPE) as u64 {
+            return Err("not a block file".into());
         }
-        let (body, sum) = buf.split_at(buf.len() - 32);
-        if blake3::hash(body).as_bytes() != sum {
-            return Err("checksum mismatch".into());
-        }
-        let head = 8 + 16 + 16 + 4;
-        if body.len() < head || &body[..8] != MAGIC || body[8..24] != self.fingerprint {
-            return Err("not this deployment's block".into());
-        }
-        if body[24..40] != hash.0.to_le_bytes() {
-            return Err("holds another block".into());
-        }
-        let scope_len = u32::from_le_bytes(body[40..44].try_into().unwrap_or_default()) as usize;
-        if body.len() != self.file_bytes(scope_len) - 32 {
-            return Err("wrong length".into());
-        }
-        let start = head + scope_len + 8;
-        Ok(body[start..].to_vec())
+        let buf = fs::read(&path).map_err(|e| e.to_string())?;
+        decode_frame(&buf, self.fingerprint, &self.key, hash, self.block_bytes)
     }
 
     pub fn delete(&self, hash: BlockHash) {
         let _ = fs::remove_file(self.path(hash));
     }
 
+    /// Deletes every block file and temporary file of the tier (and nothing else).
     pub fn delete_all(&self) {
         let Ok(entries) = fs::read_dir(&self.dir) else {
             return;
         };
         for entry in entries.flatten() {
-            let path = entry.path();
-            if path.extension().is_some_and(|e| e == SUFFIX || e == "tmp") {
-                let _ = fs::remove_file(path);
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if block_name(name).is_some() || is_temp_name(name) {
+                let _ = fs::remove_file(entry.path());
             }
         }
     }
 }
 
+/// Takes the directory's lock file, waiting a while for an engine that is stopping.
+fn lock(path: &Path) -> io::Result<fs::File> {
+    let mut options = fs::OpenOptions::new();
+    options.read(true).write(true).create(true).truncate(false);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    let file = options.open(path)?;
+    let deadline = Instant::now() + LOCK_WAIT;
+    loop {
+        match file.try_lock() {
+            Ok(()) => return Ok(file),
+            Err(fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(fs::TryLockError::WouldBlock) => {
+                return Err(io::Error::other(
+                    "another engine is using this directory as its disk tier",
+                ))
+            }
+            Err(fs::TryLockError::Error(e)) => return Err(e),
+        }
+    }
+}
+
 fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
-    let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
-    let result = fs::File::create(&tmp).and_then(|mut f| f.write_all(data));
+    let mut name = path.as_os_str().to_owned();
+    name.push(format!(".{}.tmp", std::process::id()));
+    let tmp = PathBuf::from(name);
+    let mut options = fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    let result = options.open(&tmp).and_then(|mut f| f.write_all(data));
     match result {
         Ok(()) => fs::rename(&tmp, path),
         Err(e) => {
@@ -279,11 +433,13 @@ enum Job {
     Read {
         load: u64,
         hashes: Vec<BlockHash>,
+        /// Set when nobody waits for the load any more: the rest is not read.
+        cancel: Arc<AtomicBool>,
     },
     Delete(BlockHash),
     DeleteAll,
-    /// Answered once every job before it is done.
-    Barrier(mpsc::Sender<()>),
+    /// Runs once every job before it is done.
+    Then(Box<dyn FnOnce() + Send>),
 }
 
 /// What the I/O thread reports back.
@@ -358,11 +514,21 @@ impl DiskIo {
         })
     }
 
-    /// Queues reading `hashes` in order; returns the load's id.
-    pub fn read(&mut self, hashes: Vec<BlockHash>) -> Option<u64> {
+    /// Queues reading `hashes` in order; returns the load's id. Setting `cancel` stops it.
+    pub fn read(&mut self, hashes: Vec<BlockHash>, cancel: Arc<AtomicBool>) -> Option<u64> {
         self.next_load += 1;
         let load = self.next_load;
-        self.send(Job::Read { load, hashes }).then_some(load)
+        self.send(Job::Read {
+            load,
+            hashes,
+            cancel,
+        })
+        .then_some(load)
+    }
+
+    /// Runs `f` on the disk thread once every job queued so far is done.
+    pub fn then(&self, f: impl FnOnce() + Send + 'static) -> bool {
+        self.send(Job::Then(Box::new(f)))
     }
 
     pub fn delete(&self, hash: BlockHash) {
@@ -376,7 +542,9 @@ impl DiskIo {
     /// Waits up to `timeout` for every job queued so far to be done; false if it timed out.
     pub fn wait_idle(&self, timeout: Duration) -> bool {
         let (tx, rx) = mpsc::channel();
-        self.send(Job::Barrier(tx)) && rx.recv_timeout(timeout).is_ok()
+        self.then(move || {
+            let _ = tx.send(());
+        }) && rx.recv_timeout(timeout).is_ok()
     }
 
     /// Bytes of writes waiting for the disk.
@@ -425,9 +593,16 @@ fn io_thread(
                     });
                 }
             }
-            Job::Read { load, hashes } => {
+            Job::Read {
+                load,
+                hashes,
+                cancel,
+            } => {
                 let started = Instant::now();
                 for hash in hashes {
+                    if cancel.load(Ordering::Relaxed) {
+                        break;
+                    }
                     match files.read(hash) {
                         Ok(payload) => {
                             let _ = done.send(Done::Block {
@@ -447,9 +622,7 @@ fn io_thread(
             }
             Job::Delete(hash) => files.delete(hash),
             Job::DeleteAll => files.delete_all(),
-            Job::Barrier(reply) => {
-                let _ = reply.send(());
-            }
+            Job::Then(f) => f(),
         }
     }
 }
@@ -461,30 +634,66 @@ mod tests {
     #[test]
     fn blocks_round_trip_and_damage_is_caught() {
         let dir = tempfile::tempdir().unwrap();
-        let fp = [7u8; 16];
-        let (files, scan) = DiskFiles::open(dir.path(), fp, "m", 64).unwrap();
+        let (fp, key) = ([7u8; 16], [3u8; 32]);
+        let (files, scan) = DiskFiles::open(dir.path(), fp, key, "m", 64).unwrap();
         assert!(scan.blocks.is_empty());
         let payload: Vec<u8> = (0..64).collect();
         files.write(BlockHash(5), "tenant-a", &payload).unwrap();
         files.write(BlockHash(6), "tenant-b", &payload).unwrap();
         assert_eq!(files.read(BlockHash(5)).unwrap(), payload);
-        // One flipped payload byte fails the checksum.
+        // One flipped payload byte fails the MAC.
         let path = files.path(BlockHash(6));
         let mut raw = fs::read(&path).unwrap();
         raw[70] ^= 1;
         fs::write(&path, &raw).unwrap();
-        assert_eq!(files.read(BlockHash(6)).unwrap_err(), "checksum mismatch");
-        // A file cut short is dropped at start-up, as is a leftover temporary file.
+        assert!(files.read(BlockHash(6)).unwrap_err().contains("MAC"));
+        // A file written with another key (no seed) is refused, whatever it says.
+        let forged = encode_frame(fp, &[9u8; 32], BlockHash(6), "tenant-b", &payload);
+        fs::write(&path, &forged).unwrap();
+        assert!(files.read(BlockHash(6)).unwrap_err().contains("MAC"));
+        // A file cut short is dropped at start-up, as is a leftover temporary file; a file of
+        // another name is left alone.
         fs::write(&path, &raw[..raw.len() - 10]).unwrap();
-        fs::write(dir.path().join("x.kvb.1.tmp"), b"partial").unwrap();
-        let (_, scan) = DiskFiles::open(dir.path(), fp, "m", 64).unwrap();
+        let tmp = format!("{:032x}.kvb.17.tmp", 9);
+        fs::write(dir.path().join(&tmp), b"partial").unwrap();
+        fs::write(dir.path().join("notes.txt"), b"mine").unwrap();
+        drop(files);
+        let (files, scan) = DiskFiles::open(dir.path(), fp, key, "m", 64).unwrap();
         assert_eq!(scan.blocks, vec![(BlockHash(5), "tenant-a".to_owned())]);
         assert_eq!(scan.removed, 2);
-        // Another deployment's directory is refused, by name.
-        let err = DiskFiles::open(dir.path(), [8u8; 16], "other", 64).unwrap_err();
-        assert!(err.contains("another deployment"), "{err}");
+        files.delete_all();
+        assert!(
+            dir.path().join("notes.txt").exists(),
+            "only the tier's own files go"
+        );
         // A file renamed to another block's name is refused.
+        files.write(BlockHash(5), "tenant-a", &payload).unwrap();
         fs::copy(files.path(BlockHash(5)), files.path(BlockHash(9))).unwrap();
         assert_eq!(files.read(BlockHash(9)).unwrap_err(), "holds another block");
+        drop(files);
+        // Another deployment's directory is refused, by name.
+        let err = DiskFiles::open(dir.path(), [8u8; 16], key, "other", 64).unwrap_err();
+        assert!(err.contains("another deployment"), "{err}");
+        // A directory with other files and no manifest is not taken over.
+        let other = tempfile::tempdir().unwrap();
+        fs::write(other.path().join("data.bin"), b"x").unwrap();
+        let err = DiskFiles::open(other.path(), fp, key, "m", 64).unwrap_err();
+        assert!(err.contains("not empty"), "{err}");
+    }
+
+    #[test]
+    fn a_directory_belongs_to_one_engine_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let (fp, key) = ([7u8; 16], [3u8; 32]);
+        let (held, _) = DiskFiles::open(dir.path(), fp, key, "m", 64).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let path = dir.path().to_owned();
+        std::thread::spawn(move || {
+            let _ = tx.send(DiskFiles::open(&path, fp, key, "m", 64).map(|_| ()));
+        });
+        // The second waits while the first holds it, then gets it once let go.
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err());
+        drop(held);
+        assert!(rx.recv_timeout(Duration::from_secs(5)).unwrap().is_ok());
     }
 }

@@ -1,15 +1,21 @@
 //! The worker's side of the prefix cache's tiers: it carries out the copies the block manager
 //! plans ([`TierOp`]), holds a request whose cached prefix continues on disk until the disk
-//! thread has read it into the host tier, and persists the cache to disk before it stops.
+//! thread has read it into the host tier, persists the cache to disk (a drain, a stop), and takes
+//! in and gives out the blocks of peer transfers.
 
-use super::disk::{DiskIo, Done};
+use super::disk::{self, DiskIo, Done, Frame};
 use super::{Submit, Worker};
 use crate::kv::TierOp;
 use crate::scheduler::GroupId;
 use kvgate_kernels::Backend;
+use kvgate_protocol::BlockHash;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Loads from disk in flight at once; a request past it is admitted at once (it recomputes).
+/// Reads from disk in flight at once; a request past it is admitted at once (it recomputes).
+/// Requests whose run starts with the same block wait on one read.
 const MAX_LOADS: usize = 8;
 /// A request waits at most this long for its load; then it goes on and computes the rest.
 const LOAD_DEADLINE: Duration = Duration::from_secs(5);
@@ -17,16 +23,36 @@ const LOAD_DEADLINE: Duration = Duration::from_secs(5);
 const PERSIST_WAIT: Duration = Duration::from_secs(60);
 
 /// A request waiting for its prefix to be read from disk.
-pub(super) struct Loading {
+struct Waiter {
     id: GroupId,
     submit: Box<Submit>,
     started: Instant,
 }
 
+/// One read on the disk thread and the requests waiting for it.
+struct Load {
+    first: kvgate_protocol::BlockHash,
+    waiting: Vec<Waiter>,
+    /// Set when nobody waits any more: the disk thread stops reading it.
+    cancel: Arc<AtomicBool>,
+}
+
 /// The disk tier of a worker.
 pub(super) struct DiskTier {
     pub(super) io: DiskIo,
-    pub(super) loading: std::collections::HashMap<u64, Loading>,
+    loads: HashMap<u64, Load>,
+    /// The cache still to be persisted a little at a time (after a drain).
+    persisting: bool,
+}
+
+impl DiskTier {
+    pub(super) fn new(io: DiskIo) -> Self {
+        DiskTier {
+            io,
+            loads: HashMap::new(),
+            persisting: false,
+        }
+    }
 }
 
 impl<B: Backend> Worker<B> {
@@ -100,12 +126,7 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    fn write_to_disk(
-        &mut self,
-        hash: kvgate_protocol::BlockHash,
-        scope: crate::kv::ScopeId,
-        bytes: Vec<u8>,
-    ) {
+    fn write_to_disk(&mut self, hash: BlockHash, scope: crate::kv::ScopeId, bytes: Vec<u8>) {
         let name = self.sched.kv.scope_name(scope).to_owned();
         let queued = self
             .disk
@@ -121,40 +142,62 @@ impl<B: Backend> Worker<B> {
     /// Holds `s` while its cached prefix is read from disk, when it continues there. Gives the
     /// request back when it should be admitted now.
     pub(super) fn start_load(&mut self, id: GroupId, s: Submit) -> Option<Submit> {
-        let Some(disk) = &mut self.disk else {
-            return Some(s);
-        };
-        if disk.loading.len() >= MAX_LOADS {
+        if self.disk.is_none() {
             return Some(s);
         }
         let scope = self.sched.kv.scope(&s.scope);
         let hashed = self.sched.kv.hash_prompt(scope, &s.prompt);
         let run = self.sched.kv.disk_run(&hashed);
-        if run.is_empty() {
-            return Some(s);
-        }
-        self.sched.kv.touch_disk(&run);
-        let Some(load) = disk.io.read(run) else {
+        let Some(disk) = &mut self.disk else {
             return Some(s);
         };
-        disk.loading.insert(
+        let Some(&first) = run.first() else {
+            return Some(s);
+        };
+        let waiter = Waiter {
+            id,
+            submit: Box::new(s),
+            started: Instant::now(),
+        };
+        // A read of the same run is on its way: wait for that one.
+        if let Some(load) = disk
+            .loads
+            .values_mut()
+            .find(|l| l.first == first && !l.cancel.load(Ordering::Relaxed))
+        {
+            load.waiting.push(waiter);
+            return None;
+        }
+        if disk.loads.len() >= MAX_LOADS {
+            return Some(*waiter.submit);
+        }
+        self.sched.kv.touch_disk(&run);
+        let cancel = Arc::new(AtomicBool::new(false));
+        let Some(load) = disk.io.read(run, cancel.clone()) else {
+            return Some(*waiter.submit);
+        };
+        disk.loads.insert(
             load,
-            Loading {
-                id,
-                submit: Box::new(s),
-                started: Instant::now(),
+            Load {
+                first,
+                waiting: vec![waiter],
+                cancel,
             },
         );
         None
     }
 
-    /// Whether requests wait for disk reads.
+    /// Whether the disk tier has work for the engine thread: requests waiting for reads, or a
+    /// drain's persisting still going.
     pub(super) fn has_loads(&self) -> bool {
-        self.disk.as_ref().is_some_and(|d| !d.loading.is_empty())
+        self.disk
+            .as_ref()
+            .is_some_and(|d| d.persisting || d.loads.values().any(|l| !l.waiting.is_empty()))
     }
 
     /// Takes what the disk thread reported: read blocks enter the host tier, finished loads admit
-    /// their requests, failed writes drop their blocks (a full disk turns the tier off).
+    /// their requests, failed writes drop their blocks (a full disk turns the tier off). Goes on
+    /// persisting the cache after a drain, as the disk takes it.
     pub(super) fn poll_disk(&mut self, wait: Duration) {
         let mut wait = wait;
         while let Some(done) = self.disk.as_ref().and_then(|d| d.io.next(wait)) {
@@ -162,14 +205,7 @@ impl<B: Backend> Worker<B> {
             match done {
                 Done::Block { hash, payload, .. } => {
                     if let Some(slot) = self.sched.kv.load_from_disk(hash) {
-                        // The slot's old block goes out first.
-                        self.run_tier_ops();
-                        let id = self.host_slot(slot);
-                        if !self.model.write_host_block(id, &payload) {
-                            self.sched.kv.unload_host(hash);
-                            self.sched.kv.disk_lost(hash);
-                            self.metrics.update(|m| m.tiers.corrupt_blocks += 1);
-                        }
+                        self.fill_host_slot(slot, hash, &payload);
                     }
                 }
                 Done::Bad { hash, reason, .. } => {
@@ -182,8 +218,16 @@ impl<B: Backend> Worker<B> {
                         m.tiers.loads += 1;
                         m.tiers.load_seconds += secs;
                     });
-                    if let Some(l) = self.disk.as_mut().and_then(|d| d.loading.remove(&load)) {
-                        self.admit(l.id, *l.submit);
+                    let waiting = self
+                        .disk
+                        .as_mut()
+                        .and_then(|d| d.loads.remove(&load))
+                        .map(|l| l.waiting)
+                        .unwrap_or_default();
+                    for w in waiting {
+                        if !w.submit.events.is_closed() {
+                            self.admit(w.id, *w.submit);
+                        }
                     }
                 }
                 Done::WriteFailed { hash, full, reason } => {
@@ -201,31 +245,52 @@ impl<B: Backend> Worker<B> {
         }
         self.run_tier_ops();
         self.expire_loads();
+        if self.disk.as_ref().is_some_and(|d| d.persisting) && self.persist_some() == 0 {
+            // Nothing planned: done, unless the queue had no room.
+            let room = self.disk_room();
+            if let Some(d) = &mut self.disk {
+                d.persisting = room == 0;
+            }
+        }
     }
 
-    /// Requests whose client left while they waited are dropped; those past the deadline go on
-    /// without the rest of their load.
+    /// Writes a block's bytes into its new host slot, after the slot's old block went out.
+    fn fill_host_slot(&mut self, slot: u32, hash: BlockHash, payload: &[u8]) {
+        self.run_tier_ops();
+        let id = self.host_slot(slot);
+        if !self.model.write_host_block(id, payload) {
+            self.sched.kv.unload_host(hash);
+            self.sched.kv.disk_lost(hash);
+            self.metrics.update(|m| m.tiers.corrupt_blocks += 1);
+        }
+    }
+
+    /// Waiting requests whose client left are dropped, and those past the deadline go on without
+    /// the rest of their load; a load nobody waits for is cancelled.
     fn expire_loads(&mut self) {
         let Some(disk) = &mut self.disk else {
             return;
         };
         let now = Instant::now();
-        let done: Vec<u64> = disk
-            .loading
-            .iter()
-            .filter(|(_, l)| {
-                l.submit.events.is_closed() || now.duration_since(l.started) > LOAD_DEADLINE
-            })
-            .map(|(k, _)| *k)
-            .collect();
-        let expired: Vec<Loading> = done
-            .into_iter()
-            .filter_map(|k| disk.loading.remove(&k))
-            .collect();
-        for l in expired {
-            if !l.submit.events.is_closed() {
-                self.admit(l.id, *l.submit);
+        let mut admit = Vec::new();
+        for load in disk.loads.values_mut() {
+            let mut i = 0;
+            while i < load.waiting.len() {
+                let w = &load.waiting[i];
+                if w.submit.events.is_closed() {
+                    load.waiting.swap_remove(i);
+                } else if now.duration_since(w.started) > LOAD_DEADLINE {
+                    admit.push(load.waiting.swap_remove(i));
+                } else {
+                    i += 1;
+                }
             }
+            if load.waiting.is_empty() {
+                load.cancel.store(true, Ordering::Relaxed);
+            }
+        }
+        for w in admit {
+            self.admit(w.id, *w.submit);
         }
     }
 
@@ -234,26 +299,110 @@ impl<B: Backend> Worker<B> {
         let Some(disk) = &mut self.disk else {
             return false;
         };
-        let before = disk.loading.len();
-        disk.loading.retain(|_, l| l.id != id);
-        before != disk.loading.len()
+        let mut found = false;
+        for load in disk.loads.values_mut() {
+            let before = load.waiting.len();
+            load.waiting.retain(|w| w.id != id);
+            found |= before != load.waiting.len();
+            if load.waiting.is_empty() {
+                load.cancel.store(true, Ordering::Relaxed);
+            }
+        }
+        found
     }
 
-    /// Writes every cached block not on disk yet to the disk tier; with `wait`, until the disk
-    /// has them. Returns how many were queued.
+    /// Blocks the disk's write queue has room for now.
+    fn disk_room(&self) -> usize {
+        let Some(d) = &self.disk else {
+            return 0;
+        };
+        let per = self.model.kv_block_bytes().max(1);
+        disk::MAX_QUEUED_WRITE_BYTES.saturating_sub(d.io.queued_write_bytes()) / per
+    }
+
+    /// Plans and queues as many persisting writes as the disk queue takes now.
+    fn persist_some(&mut self) -> usize {
+        let room = self.disk_room();
+        if room == 0 {
+            return 0;
+        }
+        let n = self.sched.kv.persist_to_disk(room);
+        self.run_tier_ops();
+        n
+    }
+
+    /// Writes every cached block not on disk yet to the disk tier, hottest first. With `wait`
+    /// (the engine stops), until the disk has them all or the deadline passes; without (a
+    /// drain), as the disk takes them, between steps. Returns the blocks queued now.
     pub(super) fn persist(&mut self, wait: bool) -> usize {
         if self.disk.is_none() {
             return 0;
         }
-        let n = self.sched.kv.persist_to_disk();
-        self.run_tier_ops();
-        if wait {
-            if let Some(d) = &self.disk {
-                if !d.io.wait_idle(PERSIST_WAIT) {
-                    tracing::warn!("the disk tier did not finish writing in time");
-                }
+        if !wait {
+            let n = self.persist_some();
+            if let Some(d) = &mut self.disk {
+                d.persisting = true;
+            }
+            return n;
+        }
+        let deadline = Instant::now() + PERSIST_WAIT;
+        let mut total = 0;
+        loop {
+            let n = self.persist_some();
+            total += n;
+            if n == 0 && self.disk_room() > 0 {
+                break;
+            }
+            if Instant::now() > deadline {
+                tracing::warn!("the disk tier did not take every cached block in time");
+                break;
+            }
+            // The queue is full: let the disk catch up.
+            self.poll_disk(Duration::from_millis(20));
+        }
+        if let Some(d) = &self.disk {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if !d.io.wait_idle(left) {
+                tracing::warn!("the disk tier did not finish writing in time");
             }
         }
-        n
+        total
+    }
+
+    /// A block a peer sent enters the host tier, in the scope its requester hashed it in.
+    pub(super) fn import(&mut self, frame: Frame) {
+        let scope = self.sched.kv.scope(&frame.scope);
+        if let Some(slot) = self.sched.kv.import_to_host(frame.hash, scope) {
+            self.fill_host_slot(slot, frame.hash, &frame.payload);
+        }
+    }
+
+    /// The frames of `hashes`, in order, as far as the device pool and the host tier hold them.
+    pub(super) fn export(&self, hashes: &[BlockHash]) -> Vec<Vec<u8>> {
+        let Some(codec) = &self.peer else {
+            return Vec::new();
+        };
+        let kv = &self.sched.kv;
+        let mut out = Vec::new();
+        for &hash in hashes {
+            let (bytes, scope) = if let Some(id) = kv.index().get(hash) {
+                (self.model.read_block(false, id.0), kv.pool().meta(id).scope)
+            } else if let Some(slot) = kv.host_tier().get(hash) {
+                let Some(b) = kv.host_tier().block(slot) else {
+                    break;
+                };
+                (self.model.read_block(true, self.host_slot(slot)), b.scope)
+            } else {
+                break;
+            };
+            out.push(disk::encode_frame(
+                codec.fingerprint,
+                &codec.key,
+                hash,
+                kv.scope_name(scope),
+                &bytes,
+            ));
+        }
+        out
     }
 }

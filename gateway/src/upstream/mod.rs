@@ -319,6 +319,45 @@ impl Registry {
     }
 }
 
+/// A peer must hold at least this many blocks more than the chosen engine for a hint.
+pub const PEER_MIN_GAIN_BLOCKS: u32 = 4;
+
+impl Registry {
+    /// The engine other than `chosen` that holds the longest run of `hashes` in its device pool
+    /// or host tier (what it sends a peer), with that run's length, when it is up and its circuit
+    /// closed. A draining engine counts: its cache is still good.
+    pub fn best_peer(
+        &self,
+        hashes: &[kvgate_protocol::BlockHash],
+        chosen: usize,
+        now_ms: u64,
+    ) -> Option<(Arc<Engine>, u32)> {
+        let engines: Vec<Arc<Engine>> = self
+            .all()
+            .into_iter()
+            .filter(|e| e.slot != chosen && e.up.load(Ordering::SeqCst) && !e.circuit_open(now_ms))
+            .collect();
+        let mask = engines.iter().fold(0u64, |m, e| m | (1 << e.slot));
+        if mask == 0 {
+            return None;
+        }
+        let matched = self
+            .index
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .longest_tier_matches(hashes, mask);
+        engines
+            .into_iter()
+            .map(|e| {
+                let m = matched[e.slot];
+                let n = m.blocks.saturating_sub(m.disk);
+                (e, n)
+            })
+            .filter(|(_, n)| *n > 0)
+            .max_by_key(|(_, n)| *n)
+    }
+}
+
 /// An engine's load report and its age (see [`Engine::report`]).
 type Report = (Arc<LoadReport>, Option<f64>);
 
