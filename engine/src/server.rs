@@ -59,6 +59,10 @@ pub struct ServerState {
     pub peer: Option<crate::worker::disk::PeerCodec>,
     /// Peer transfers this engine serves at once.
     pub exports: Arc<tokio::sync::Semaphore>,
+    /// Peer transfers this engine runs at once as the requester.
+    pub fetches: tokio::sync::Semaphore,
+    /// Peers not to ask for a while, after they failed.
+    pub peer_backoff: peer::Backoff,
     pub inflight: AtomicUsize,
     pub next_id: AtomicU64,
     pub started: u64,

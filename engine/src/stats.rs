@@ -105,6 +105,10 @@ pub struct TierStats {
     /// Blocks that peer fetches brought, and their total time.
     pub peer_blocks: u64,
     pub peer_seconds: f64,
+    /// Transfers served to peers, the blocks they carried, and those refused (busy).
+    pub exports: u64,
+    pub exported_blocks: u64,
+    pub exports_refused: u64,
 }
 
 /// Peer fetches by how they ended.
@@ -112,6 +116,7 @@ pub struct TierStats {
 pub struct PeerFetches {
     pub complete: u64,
     pub partial: u64,
+    pub busy: u64,
     pub failed: u64,
     pub timed_out: u64,
 }
@@ -121,6 +126,7 @@ impl PeerFetches {
         match result {
             "complete" => self.complete += 1,
             "partial" => self.partial += 1,
+            "busy" => self.busy += 1,
             "timed_out" => self.timed_out += 1,
             _ => self.failed += 1,
         }

@@ -111,20 +111,26 @@ pub enum Command {
     /// answer once the disk has them. Replies with the number of blocks written.
     Persist(bool, oneshot::Sender<usize>),
     /// The blocks of a prompt (in a scope) that a peer could send: its cached run past what every
-    /// tier here holds.
+    /// tier here holds, as the index of its first block and the hashes.
     PeerWant(
         String,
         Vec<u32>,
-        oneshot::Sender<Vec<kvgate_protocol::BlockHash>>,
+        oneshot::Sender<(usize, Vec<kvgate_protocol::BlockHash>)>,
     ),
     /// A block a peer sent, checked, for the host tier.
     Import(disk::Frame),
-    /// Frames of these blocks for a peer, in order, as far as the device pool and host tier
-    /// hold them.
-    Export(
-        Vec<kvgate_protocol::BlockHash>,
-        oneshot::Sender<Vec<Vec<u8>>>,
-    ),
+    /// For a peer: `tokens` hashed in `scope`, the blocks from `from` on, at most `count`, in
+    /// order, as far as the device pool and host tier hold them.
+    Export(ExportAsk, oneshot::Sender<Vec<disk::Frame>>),
+}
+
+/// What a peer asks to be sent: it must know the prompt (tokens and scope), not only hashes.
+#[derive(Debug)]
+pub struct ExportAsk {
+    pub scope: String,
+    pub tokens: Arc<Vec<u32>>,
+    pub from: usize,
+    pub count: usize,
 }
 
 struct Sample {
@@ -321,8 +327,13 @@ impl<B: Backend> Worker<B> {
                 let _ = reply.send(self.sched.kv.missing_run(&hashed));
             }
             Command::Import(frame) => self.import(frame),
-            Command::Export(hashes, reply) => {
-                let _ = reply.send(self.export(&hashes));
+            Command::Export(ask, reply) => {
+                let scope = self.sched.kv.scope(&ask.scope);
+                let hashed = self.sched.kv.hash_prompt(scope, &ask.tokens);
+                let hashes = hashed.hashes();
+                let from = ask.from.min(hashes.len());
+                let to = from.saturating_add(ask.count).min(hashes.len());
+                let _ = reply.send(self.export(&hashes[from..to]));
             }
             Command::Status(reply) => {
                 let _ = reply.send(self.status());

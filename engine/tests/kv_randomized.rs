@@ -157,7 +157,7 @@ impl Harness {
         let tokens = self.random_prompt();
         self.remember_meaning(scope, &tokens);
         let prompt = self.m.hash_prompt(scope, &tokens);
-        for hash in self.m.missing_run(&prompt) {
+        for hash in self.m.missing_run(&prompt).1 {
             let prefix = &self.meaning[&hash];
             let data: Vec<Option<u32>> = prefix[prefix.len() - BS..]
                 .iter()

@@ -532,7 +532,7 @@ async fn forward(
         // draining): the chosen engine is told where to fetch it from.
         let peer = gw
             .registry
-            .best_peer(&prepared.hashes.hashes, engine.slot, now)
+            .best_peer(&prepared.hashes.hashes, engine.slot, exclude, now)
             .filter(|(_, n)| *n >= choice.matched_blocks + PEER_MIN_GAIN_BLOCKS)
             .and_then(|(peer, _)| Some((HeaderValue::from_str(&peer.url).ok()?, peer)));
         let hinted;

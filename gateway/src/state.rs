@@ -32,6 +32,9 @@ pub struct Gateway {
     /// The runtime the gateway started on, which runs its background work (health checks, KV
     /// events, store follow-ups such as rate-limit releases) whatever thread a request is on.
     pub background: tokio::runtime::Handle,
+    /// Rate-limit releases on their way to the store: stopping waits for them, so a request
+    /// answered before a graceful stop is charged and its slot given back.
+    pub pending_releases: std::sync::atomic::AtomicUsize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +82,7 @@ impl Gateway {
             }),
             max_prompt_bytes: max_prompt_bytes(&renderer, config.context_tokens()),
             background: tokio::runtime::Handle::current(),
+            pending_releases: std::sync::atomic::AtomicUsize::new(0),
             hasher: PromptHasher::new(renderer, hasher),
             auth: Auth::new(
                 store.clone(),
@@ -200,6 +204,19 @@ impl Gateway {
 
     /// Stops following every engine (health checks, KV event streams), for shutdown: an engine
     /// shutting down gracefully waits for the event stream's connection to close.
+    /// Waits up to `limit` for the rate-limit releases still on their way to the store.
+    pub async fn settle_releases(&self, limit: std::time::Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        while self
+            .pending_releases
+            .load(std::sync::atomic::Ordering::SeqCst)
+            > 0
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+
     pub fn stop_following(&self) {
         for e in self.registry.all() {
             self.registry.remove(&e.name);

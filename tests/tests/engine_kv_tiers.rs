@@ -262,6 +262,31 @@ fn a_prefix_comes_from_the_peer_that_holds_it_and_a_bad_peer_costs_only_a_recomp
     }
 
     // The transfer endpoint is the engines' own: no token, no blocks.
-    let r = kvgate_tests::request(holder.addr, "POST", "/kv/blocks", &[], r#"{"hashes":[]}"#);
+    let body = r#"{"scope":"acme","tokens":[1,2,3],"from":0}"#;
+    let r = kvgate_tests::request(holder.addr, "POST", "/kv/blocks", &[], body);
     assert_eq!(r.status, 401, "{}", r.body);
+    // With the token, it still takes the prompt, not hashes: hashes alone are a 400, and tokens
+    // of a prompt it does not hold bring nothing.
+    use kvgate_tests::gateway::ENGINE_TOKEN;
+    let auth = format!("Bearer {ENGINE_TOKEN}");
+    let with_token = [("authorization", auth.as_str())];
+    let r = kvgate_tests::request(
+        holder.addr,
+        "POST",
+        "/kv/blocks",
+        &with_token,
+        r#"{"hashes":["00000000000000000000000000000001"]}"#,
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let tokens: Vec<String> = (0..64).map(|i| (1000 + i).to_string()).collect();
+    let body = format!(
+        r#"{{"scope":"acme","tokens":[{}],"from":0}}"#,
+        tokens.join(",")
+    );
+    let r = kvgate_tests::request(holder.addr, "POST", "/kv/blocks", &with_token, &body);
+    assert_eq!(
+        (r.status, r.body.len()),
+        (200, 0),
+        "blocks for a prompt it never saw"
+    );
 }

@@ -495,8 +495,9 @@ impl KvCacheManager {
     }
 
     /// The blocks of a prompt's cached run (from its first block) that no tier here holds:
-    /// what a peer could send. At most half the host tier.
-    pub fn missing_run(&self, prompt: &HashedPrompt) -> Vec<BlockHash> {
+    /// what a peer could send, as the index of the first and the hashes. At most half the host
+    /// tier.
+    pub fn missing_run(&self, prompt: &HashedPrompt) -> (usize, Vec<BlockHash>) {
         let cap = prompt.num_tokens.saturating_sub(1) / self.block_size;
         let cap = cap.min(prompt.hashes.len());
         let device = self.cached_prefix_len(prompt);
@@ -508,11 +509,12 @@ impl KvCacheManager {
                 .take_while(|h| disk.contains(**h))
                 .count();
         }
-        prompt.hashes[from..cap]
+        let run = prompt.hashes[from..cap]
             .iter()
             .take(self.host_tier.capacity() / 2)
             .copied()
-            .collect()
+            .collect();
+        (from, run)
     }
 
     /// A host slot that a load was to fill holds nothing usable (the read failed): forget it.

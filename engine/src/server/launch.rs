@@ -245,6 +245,8 @@ fn start_on<B: Backend + 'static>(
         draining: AtomicBool::new(false),
         peer,
         exports: Arc::new(tokio::sync::Semaphore::new(super::peer::MAX_EXPORTS)),
+        fetches: tokio::sync::Semaphore::new(super::peer::MAX_FETCHES),
+        peer_backoff: Default::default(),
         inflight: AtomicUsize::new(0),
         next_id: AtomicU64::new(1),
         closing: tokio::sync::watch::channel(false).0,

@@ -310,6 +310,7 @@ fn tier_metrics(o: &mut String, t: &crate::stats::TierStats) {
         &[
             ("complete", f.complete as f64),
             ("partial", f.partial as f64),
+            ("busy", f.busy as f64),
             ("failed", f.failed as f64),
             ("timed_out", f.timed_out as f64),
         ],
@@ -318,8 +319,26 @@ fn tier_metrics(o: &mut String, t: &crate::stats::TierStats) {
         o,
         "kvgate_kv_peer_blocks_total",
         "counter",
-        "Blocks peer fetches brought into the host tier.",
+        "Blocks peer fetches brought (checked, and handed to the host tier).",
         t.peer_blocks,
+    );
+    by_label(
+        o,
+        "kvgate_kv_peer_exports_total",
+        "counter",
+        "Peer transfers this engine served, and those it refused (at its limit).",
+        "result",
+        &[
+            ("served", t.exports as f64),
+            ("refused", t.exports_refused as f64),
+        ],
+    );
+    scalar(
+        o,
+        "kvgate_kv_peer_exported_blocks_total",
+        "counter",
+        "Blocks this engine sent to peers.",
+        t.exported_blocks,
     );
     by_label(
         o,

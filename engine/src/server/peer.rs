@@ -5,49 +5,86 @@
 //!   (that engine is busy or draining), it names that engine in [`PEER_HEADER`]. Like the tenancy
 //!   headers, the hint counts only from a caller with the engine token.
 //! - **The fetch.** The engine asks its own thread which blocks of the prompt's cached run no tier
-//!   here holds. It asks the peer for those (`POST /kv/blocks`, engine token) and checks each frame:
+//!   here holds. It asks the peer for those (`POST /kv/blocks`, engine token), sending the
+//!   prompt's tokens and scope: the peer hashes them itself, so a transfer needs the prompt, not
+//!   only its hashes. It checks each frame:
 //!   - this deployment's fingerprint;
 //!   - exactly the hash asked for (a hash it computed itself, from the prompt, in the request's
 //!     own scope);
 //!   - its BLAKE3.
 //!
 //!   Each good block enters the host tier. Then the request is admitted and promoted like any
-//!   host-tier hit. The transfer has a time limit. A peer that is slow, down, or sends one bad
-//!   frame costs only that: the rest is computed.
-//! - **Serving a fetch.** Frames come from the device pool and the host tier, in order, and stop at
-//!   the first block neither holds. They go out in chunks, so a transfer holds a few megabytes, and
-//!   at most [`MAX_EXPORTS`] run at once.
+//!   host-tier hit. The transfer has a time limit. A peer that is slow, down, busy, or sends one
+//!   bad frame costs only that: the rest is computed, and the peer is not asked again for a
+//!   while. At most [`MAX_FETCHES`] run at once.
+//! - **Serving a fetch.** Blocks come from the device pool and the host tier, in order, and stop
+//!   at the first block neither holds. The engine thread reads them in chunks of 8; a blocking
+//!   thread frames and MACs them. At most [`MAX_EXPORTS`] transfers run at once, each for at most
+//!   30 s.
 
 use super::http::{self, error_response, RespBody};
 use super::ServerState;
-use crate::worker::disk::{self, Frame};
-use crate::worker::Command;
+use crate::worker::disk::{self, Frame, PeerCodec};
+use crate::worker::{Command, ExportAsk};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use kvgate_protocol::openai::ApiError;
 use kvgate_protocol::BlockHash;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 /// The gateway's hint: the base URL of a peer engine that holds more of the request's prefix.
 pub const PEER_HEADER: &str = "x-kvgate-prefix-peer";
-/// Most hashes one fetch asks for.
+/// Most blocks one transfer carries.
 pub const MAX_FETCH_BLOCKS: usize = 1024;
 /// Transfers served at once; more are refused (503), and their requester computes instead.
 pub const MAX_EXPORTS: usize = 2;
+/// Transfers this engine runs at once as the requester; a request past it computes instead.
+pub const MAX_FETCHES: usize = 2;
 /// Blocks per chunk a transfer reads from the engine thread.
 const EXPORT_CHUNK: usize = 8;
+/// How long a transfer may take to be served, whatever its reader does.
+const EXPORT_DEADLINE: Duration = Duration::from_secs(30);
 /// A fetch's time limit: this, plus [`FETCH_SECS_PER_BLOCK`] per block asked for.
-const FETCH_BASE: Duration = Duration::from_secs(2);
-const FETCH_SECS_PER_BLOCK: f64 = 0.02;
+const FETCH_BASE: Duration = Duration::from_secs(1);
+const FETCH_SECS_PER_BLOCK: f64 = 0.005;
+/// A peer that failed, timed out or was busy is not asked again for this long.
+const PEER_BACKOFF: Duration = Duration::from_secs(10);
+/// Peers remembered in the back-off table (the gateway names engines it knows).
+const MAX_BACKOFF_PEERS: usize = 256;
 
-#[derive(serde::Deserialize)]
+/// Peers not to ask until a time, after they failed.
+#[derive(Debug, Default)]
+pub struct Backoff(Mutex<HashMap<String, Instant>>);
+
+impl Backoff {
+    fn blocked(&self, peer: &str) -> bool {
+        let now = Instant::now();
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        map.retain(|_, until| *until > now);
+        map.contains_key(peer)
+    }
+
+    fn hold_off(&self, peer: &str) {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() < MAX_BACKOFF_PEERS {
+            map.insert(peer.to_owned(), Instant::now() + PEER_BACKOFF);
+        }
+    }
+}
+
+/// What a peer asks for: the prompt's tokens in a scope, from block `from` on. The exporter
+/// hashes them itself, so a transfer needs the prompt, not only its hashes.
+#[derive(serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ExportBody {
-    hashes: Vec<BlockHash>,
+    scope: String,
+    tokens: Vec<u32>,
+    from: usize,
 }
 
 async fn ask<T>(
@@ -59,7 +96,8 @@ async fn ask<T>(
     rx.await.ok()
 }
 
-/// `POST /kv/blocks`: the frames of `hashes`, in order, as far as this engine holds them.
+/// `POST /kv/blocks`: the frames of a prompt's blocks from `from` on, in order, as far as this
+/// engine holds them.
 pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response<RespBody> {
     let Some(token) = &state.engine_token else {
         return error_response(&ApiError::forbidden(
@@ -69,7 +107,10 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
     if !http::has_bearer(&req, token) {
         return error_response(&ApiError::unauthorized("Missing or wrong engine token."));
     }
-    let body = match http::read_body(req, 64 + MAX_FETCH_BLOCKS * 40).await {
+    let Some(codec) = state.peer.clone() else {
+        return error_response(&ApiError::forbidden("Peer transfer is off."));
+    };
+    let body = match http::read_body(req, state.max_body_bytes).await {
         Ok(b) => b,
         Err(e) => return error_response(&e),
     };
@@ -77,34 +118,74 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
         Ok(p) => p,
         Err(e) => return error_response(&ApiError::from_json_error(&e)),
     };
-    if parsed.hashes.len() > MAX_FETCH_BLOCKS {
-        return error_response(&ApiError::invalid_value(
-            "hashes",
-            format!("at most {MAX_FETCH_BLOCKS} per transfer"),
-        ));
-    }
     let Ok(permit) = state.exports.clone().try_acquire_owned() else {
+        state.metrics.update(|m| m.tiers.exports_refused += 1);
         return error_response(&ApiError::unavailable(
             "This engine is serving as many peer transfers as it allows.",
         ));
     };
     let (tx, body) = http::stream_channel(2);
+    let ExportBody {
+        scope,
+        tokens,
+        from,
+    } = parsed;
+    let tokens = Arc::new(tokens);
     tokio::spawn(async move {
         let _permit = permit;
-        for chunk in parsed.hashes.chunks(EXPORT_CHUNK) {
-            let Some(frames) = ask(&state, |r| Command::Export(chunk.to_vec(), r)).await else {
-                return;
-            };
-            let complete = frames.len() == chunk.len();
-            for f in frames {
-                if tx.send(Bytes::from(f)).await.is_err() {
-                    return;
+        let serve = async {
+            let mut sent = 0;
+            while sent < MAX_FETCH_BLOCKS {
+                let ask_for = ExportAsk {
+                    scope: scope.clone(),
+                    tokens: tokens.clone(),
+                    from: from + sent,
+                    count: EXPORT_CHUNK.min(MAX_FETCH_BLOCKS - sent),
+                };
+                let Some(frames) = ask(&state, |r| Command::Export(ask_for, r)).await else {
+                    return sent;
+                };
+                let n = frames.len();
+                // Framing and the MAC are work for a blocking thread, not the engine's nor the
+                // async runtime's.
+                let codec = codec.clone();
+                let Ok(encoded) = tokio::task::spawn_blocking(move || {
+                    frames
+                        .iter()
+                        .map(|f| {
+                            disk::encode_frame(
+                                codec.fingerprint,
+                                &codec.key,
+                                f.hash,
+                                &f.scope,
+                                &f.payload,
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .await
+                else {
+                    return sent;
+                };
+                for f in encoded {
+                    if tx.send(Bytes::from(f)).await.is_err() {
+                        return sent;
+                    }
+                }
+                sent += n;
+                if n < EXPORT_CHUNK {
+                    return sent;
                 }
             }
-            if !complete {
-                return;
-            }
-        }
+            sent
+        };
+        let sent = tokio::time::timeout(EXPORT_DEADLINE, serve)
+            .await
+            .unwrap_or(0);
+        state.metrics.update(|m| {
+            m.tiers.exports += 1;
+            m.tiers.exported_blocks += sent as u64;
+        });
     });
     let mut resp = Response::new(body);
     *resp.status_mut() = StatusCode::OK;
@@ -115,23 +196,37 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
     resp
 }
 
+/// How a fetch ended.
+enum Ended {
+    Complete,
+    Partial,
+    Busy,
+    Failed(String),
+}
+
 /// Fetches from `peer` the blocks of `prompt` (in `scope`) that no tier here holds, into the
 /// host tier. Returns the blocks that arrived; never fails the request.
 pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32]) -> usize {
-    let Some(token) = state.engine_token.clone() else {
+    let (Some(token), Some(codec)) = (state.engine_token.clone(), state.peer.clone()) else {
         return 0;
     };
     let Ok(uri) = format!("{}/kv/blocks", peer.trim_end_matches('/')).parse::<hyper::Uri>() else {
+        tracing::warn!(peer, "a peer hint that is not a URL");
         return 0;
     };
     if uri.scheme_str() != Some("http") {
+        tracing::warn!(peer, "peer transfer speaks http only");
         return 0;
     }
-    let Some(codec) = state.peer.clone() else {
+    if state.peer_backoff.blocked(peer) {
+        return 0;
+    }
+    let Ok(_permit) = state.fetches.try_acquire() else {
         return 0;
     };
-    let (scope, prompt) = (scope.to_owned(), prompt.to_vec());
-    let Some(want) = ask(state, |r| Command::PeerWant(scope.clone(), prompt, r)).await else {
+    let (scope, owned) = (scope.to_owned(), prompt.to_vec());
+    let Some((from, want)) = ask(state, |r| Command::PeerWant(scope.clone(), owned, r)).await
+    else {
         return 0;
     };
     if want.is_empty() {
@@ -140,23 +235,37 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
     let want: Vec<BlockHash> = want.into_iter().take(MAX_FETCH_BLOCKS).collect();
     let started = Instant::now();
     let limit = FETCH_BASE + Duration::from_secs_f64(FETCH_SECS_PER_BLOCK * want.len() as f64);
-    let got =
-        tokio::time::timeout(limit, transfer(state, uri, &token, &scope, &want, &codec)).await;
-    let (blocks, result) = match got {
-        Ok(Ok(n)) => (
-            n,
-            if n == want.len() {
-                "complete"
-            } else {
-                "partial"
-            },
-        ),
-        Ok(Err((n, why))) => {
-            tracing::warn!(peer, %why, "a peer transfer failed; the rest is computed");
-            (n, "failed")
-        }
-        Err(_) => (0, "timed_out"),
+    let ask_body = ExportBody {
+        scope: scope.clone(),
+        tokens: prompt.to_vec(),
+        from,
     };
+    let got = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let ended = tokio::time::timeout(
+        limit,
+        transfer(state, uri, &token, &ask_body, &want, &codec, got.clone()),
+    )
+    .await;
+    let blocks = got.load(std::sync::atomic::Ordering::SeqCst);
+    let ended = match ended {
+        Ok(e) => e,
+        Err(_) => Ended::Failed("timed out".into()),
+    };
+    let result = match &ended {
+        Ended::Complete => "complete",
+        Ended::Partial => "partial",
+        Ended::Busy => "busy",
+        Ended::Failed(why) if why == "timed out" => "timed_out",
+        Ended::Failed(_) => "failed",
+    };
+    match &ended {
+        Ended::Busy => state.peer_backoff.hold_off(peer),
+        Ended::Failed(why) => {
+            tracing::warn!(peer, %why, "a peer transfer failed; the rest is computed");
+            state.peer_backoff.hold_off(peer);
+        }
+        _ => {}
+    }
     let secs = started.elapsed().as_secs_f64();
     state.metrics.update(|m| {
         m.tiers.peer_fetches.push_result(result);
@@ -166,29 +275,40 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
     blocks
 }
 
-/// The transfer itself: frames are checked and handed to the engine thread as they arrive.
+/// The transfer itself: frames are checked (off the async threads) and handed to the engine
+/// thread as they arrive; `got` counts them, so a transfer cut short by the time limit still
+/// reports what it brought.
 async fn transfer(
     state: &ServerState,
     uri: hyper::Uri,
     token: &str,
-    scope: &str,
+    ask_body: &ExportBody,
     want: &[BlockHash],
-    codec: &disk::PeerCodec,
-) -> Result<usize, (usize, String)> {
-    let body = serde_json::json!({ "hashes": want }).to_string();
-    let req = Request::post(uri)
+    codec: &PeerCodec,
+    got: Arc<std::sync::atomic::AtomicUsize>,
+) -> Ended {
+    let body = match serde_json::to_string(ask_body) {
+        Ok(b) => b,
+        Err(e) => return Ended::Failed(e.to_string()),
+    };
+    let req = match Request::post(uri)
         .header(hyper::header::AUTHORIZATION, format!("Bearer {token}"))
         .header(hyper::header::CONTENT_TYPE, "application/json")
         .body(Full::new(Bytes::from(body)))
-        .map_err(|e| (0, e.to_string()))?;
-    let resp = client()
-        .request(req)
-        .await
-        .map_err(|e| (0, e.to_string()))?;
-    if resp.status() != StatusCode::OK {
-        return Err((0, format!("HTTP {}", resp.status())));
+    {
+        Ok(r) => r,
+        Err(e) => return Ended::Failed(e.to_string()),
+    };
+    let resp = match client().request(req).await {
+        Ok(r) => r,
+        Err(e) => return Ended::Failed(e.to_string()),
+    };
+    match resp.status() {
+        StatusCode::OK => {}
+        StatusCode::SERVICE_UNAVAILABLE => return Ended::Busy,
+        s => return Ended::Failed(format!("HTTP {s}")),
     }
-    let frame_len = disk::frame_bytes(codec.block_bytes, scope.len());
+    let frame_len = disk::frame_bytes(codec.block_bytes, ask_body.scope.len());
     let mut body = resp.into_body();
     let mut buf: Vec<u8> = Vec::with_capacity(frame_len);
     let mut done = 0;
@@ -196,7 +316,10 @@ async fn transfer(
         let Some(next) = body.frame().await else {
             break;
         };
-        let data = next.map_err(|e| (done, e.to_string()))?;
+        let data = match next {
+            Ok(d) => d,
+            Err(e) => return Ended::Failed(e.to_string()),
+        };
         let Ok(data) = data.into_data() else {
             continue;
         };
@@ -204,29 +327,36 @@ async fn transfer(
         while buf.len() >= frame_len && done < want.len() {
             let rest = buf.split_off(frame_len);
             let frame = std::mem::replace(&mut buf, rest);
-            let payload = disk::decode_frame(
-                &frame,
-                codec.fingerprint,
-                &codec.key,
-                want[done],
-                codec.block_bytes,
-            )
-            .map_err(|why| (done, format!("block {}: {why}", want[done])))?;
-            let sent = state.commands.send(Command::Import(Frame {
-                hash: want[done],
-                scope: scope.to_owned(),
+            let (hash, c) = (want[done], codec.clone());
+            let checked = tokio::task::spawn_blocking(move || {
+                disk::decode_frame(&frame, c.fingerprint, &c.key, hash, c.block_bytes)
+            })
+            .await;
+            let payload = match checked {
+                Ok(Ok(p)) => p,
+                Ok(Err(why)) => return Ended::Failed(format!("block {hash}: {why}")),
+                Err(e) => return Ended::Failed(e.to_string()),
+            };
+            let frame = Frame {
+                hash,
+                scope: ask_body.scope.clone(),
                 payload,
-            }));
-            if sent.is_err() {
-                return Err((done, "the engine stopped".into()));
+            };
+            if state.commands.send(Command::Import(frame)).is_err() {
+                return Ended::Failed("the engine stopped".into());
             }
             done += 1;
+            got.store(done, std::sync::atomic::Ordering::SeqCst);
         }
-        if buf.len() > frame_len {
-            return Err((done, "a frame longer than a block".into()));
+        if done < want.len() && buf.len() > frame_len {
+            return Ended::Failed("a frame longer than a block".into());
         }
     }
-    Ok(done)
+    if done == want.len() {
+        Ended::Complete
+    } else {
+        Ended::Partial
+    }
 }
 
 fn client() -> hyper_util::client::legacy::Client<

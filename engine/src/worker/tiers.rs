@@ -377,11 +377,12 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    /// The frames of `hashes`, in order, as far as the device pool and the host tier hold them.
-    pub(super) fn export(&self, hashes: &[BlockHash]) -> Vec<Vec<u8>> {
-        let Some(codec) = &self.peer else {
+    /// The blocks of `hashes`, in order, as far as the device pool and the host tier hold them
+    /// (framed off this thread, by the caller).
+    pub(super) fn export(&self, hashes: &[BlockHash]) -> Vec<Frame> {
+        if self.peer.is_none() {
             return Vec::new();
-        };
+        }
         let kv = &self.sched.kv;
         let mut out = Vec::new();
         for &hash in hashes {
@@ -395,13 +396,11 @@ impl<B: Backend> Worker<B> {
             } else {
                 break;
             };
-            out.push(disk::encode_frame(
-                codec.fingerprint,
-                &codec.key,
+            out.push(Frame {
                 hash,
-                kv.scope_name(scope),
-                &bytes,
-            ));
+                scope: kv.scope_name(scope).to_owned(),
+                payload: bytes,
+            });
         }
         out
     }

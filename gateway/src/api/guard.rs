@@ -112,11 +112,15 @@ impl Lease {
         }
         let (gw, tenant, id) = (self.gw.clone(), self.tenant.clone(), self.id.clone());
         let (limits, owed) = (self.limits, self.owed);
+        // Counted from now (not from when the task first runs), so a stop that begins in
+        // between still waits for it.
+        gw.pending_releases.fetch_add(1, Ordering::SeqCst);
         Some(self.gw.background.spawn(async move {
             if let Err(e) = gw.store.release(&tenant, limits, &id, owed).await {
                 gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %e, "rate-limit release failed; the lease will lapse");
             }
+            gw.pending_releases.fetch_sub(1, Ordering::SeqCst);
         }))
     }
 }

@@ -37,6 +37,9 @@ pub struct TierMatch {
     pub blocks: u32,
     pub host: u32,
     pub disk: u32,
+    /// Leading blocks held in the device pool or the host tier (before the first one on disk):
+    /// what the engine can send a peer.
+    pub fast: u32,
 }
 
 impl PrefixIndex {
@@ -117,12 +120,20 @@ impl PrefixIndex {
     ) -> [TierMatch; MAX_ENGINES] {
         let mut matched = [TierMatch::default(); MAX_ENGINES];
         let mut alive = candidates;
+        let mut fast_alive = candidates;
         for (i, h) in hashes.iter().enumerate() {
             if alive == 0 {
                 break;
             }
             let here = self.holders.get(&h.0).copied().unwrap_or_default();
             let held = here.all & alive;
+            let fast = held & !here.disk & fast_alive;
+            let mut slow = fast_alive & !fast;
+            while slow != 0 {
+                matched[slow.trailing_zeros() as usize].fast = i as u32;
+                slow &= slow - 1;
+            }
+            fast_alive = fast;
             let mut lost = alive & !held;
             while lost != 0 {
                 let slot = lost.trailing_zeros() as usize;
@@ -144,6 +155,11 @@ impl PrefixIndex {
             let slot = alive.trailing_zeros() as usize;
             matched[slot].blocks = hashes.len() as u32;
             alive &= alive - 1;
+        }
+        while fast_alive != 0 {
+            let slot = fast_alive.trailing_zeros() as usize;
+            matched[slot].fast = hashes.len() as u32;
+            fast_alive &= fast_alive - 1;
         }
         matched
     }
@@ -201,7 +217,8 @@ mod tests {
             TierMatch {
                 blocks: 4,
                 host: 1,
-                disk: 1
+                disk: 1,
+                fast: 3
             }
         );
         assert_eq!(
@@ -209,7 +226,8 @@ mod tests {
             TierMatch {
                 blocks: 4,
                 host: 0,
-                disk: 0
+                disk: 0,
+                fast: 4
             }
         );
         // Promoted back: a device copy again.
@@ -221,7 +239,8 @@ mod tests {
             TierMatch {
                 blocks: 2,
                 host: 0,
-                disk: 0
+                disk: 0,
+                fast: 2
             }
         );
     }

@@ -323,19 +323,26 @@ impl Registry {
 pub const PEER_MIN_GAIN_BLOCKS: u32 = 4;
 
 impl Registry {
-    /// The engine other than `chosen` that holds the longest run of `hashes` in its device pool
-    /// or host tier (what it sends a peer), with that run's length, when it is up and its circuit
-    /// closed. A draining engine counts: its cache is still good.
+    /// The engine other than `chosen` (and those in `exclude`, which failed this request) that
+    /// holds the longest leading run of `hashes` in its device pool or host tier (what it sends
+    /// a peer), with that run's length, when it is up and its circuit closed. A draining engine
+    /// counts: its cache is still good.
     pub fn best_peer(
         &self,
         hashes: &[kvgate_protocol::BlockHash],
         chosen: usize,
+        exclude: u64,
         now_ms: u64,
     ) -> Option<(Arc<Engine>, u32)> {
         let engines: Vec<Arc<Engine>> = self
             .all()
             .into_iter()
-            .filter(|e| e.slot != chosen && e.up.load(Ordering::SeqCst) && !e.circuit_open(now_ms))
+            .filter(|e| {
+                e.slot != chosen
+                    && exclude & (1 << e.slot) == 0
+                    && e.up.load(Ordering::SeqCst)
+                    && !e.circuit_open(now_ms)
+            })
             .collect();
         let mask = engines.iter().fold(0u64, |m, e| m | (1 << e.slot));
         if mask == 0 {
@@ -349,8 +356,7 @@ impl Registry {
         engines
             .into_iter()
             .map(|e| {
-                let m = matched[e.slot];
-                let n = m.blocks.saturating_sub(m.disk);
+                let n = matched[e.slot].fast;
                 (e, n)
             })
             .filter(|(_, n)| *n > 0)
