@@ -21,6 +21,13 @@
 //! time until it has served everything routed to it so far (the prefill estimated at routing
 //! time and the decode of every queued request; this engine serves one request at a time).
 //!
+//! With `host_blocks > 0` each engine also has a host tier: a second LRU of that many blocks that
+//! takes the device cache's evictions (and drops its own oldest). A request whose cached run
+//! continues there loads those blocks at `host_load_secs_per_block` each instead of computing
+//! them, and they move back to the device cache. The index hears the same demotions as the
+//! gateway's does (`BlockTier` events), and the router adds the load time of a candidate's
+//! host-tier blocks to its wait, as the gateway does.
+//!
 //! The `oracle` knows every engine's true cache contents, including the blocks that requests
 //! already queued there will store before this one runs, and picks the engine with the longest
 //! cached prefix of the request; ties, or no match anywhere, go to the least loaded. It is greedy
@@ -33,7 +40,7 @@ use kvgate_gateway::routing::prefix::PromptHasher;
 use kvgate_gateway::routing::{engine_id, Candidate, Policy, Router, RouterConfig};
 use kvgate_gateway::upstream::{Registry, RouteRequest};
 use kvgate_protocol::prompt::{ChatMessage, PromptError, PromptRenderer};
-use kvgate_protocol::{BlockHash, BlockHasher, HashParams, LoadReport};
+use kvgate_protocol::{BlockHash, BlockHasher, HashParams, LoadReport, Tier};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -68,6 +75,10 @@ pub struct SimConfig {
     /// Decode throughput of one engine (all of its batch), tokens/s.
     pub decode_tps: f64,
     pub load_factor: f64,
+    /// Host-tier blocks per engine (0: no host tier).
+    pub host_blocks: usize,
+    /// Seconds to bring one block back from the host tier.
+    pub host_load_secs_per_block: f64,
 }
 
 impl Default for SimConfig {
@@ -89,6 +100,8 @@ impl Default for SimConfig {
             prefill_tps: 16_000.0,
             decode_tps: 2_000.0,
             load_factor: routing.load_factor,
+            host_blocks: 0,
+            host_load_secs_per_block: kvgate_protocol::load::PRIOR_HOST_LOAD_SECS_PER_BLOCK,
         }
     }
 }
@@ -311,6 +324,16 @@ impl Lru {
         self.stamp.remove(&h);
         Some(h)
     }
+
+    fn remove(&mut self, h: u128) -> bool {
+        match self.stamp.remove(&h) {
+            Some(st) => {
+                self.order.remove(&st);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 /// Ordered f64 event time (never NaN).
@@ -342,6 +365,8 @@ struct Engine {
     slot: usize,
     id: u64,
     cache: Lru,
+    /// The host tier: the device cache's evictions, until evicted in turn.
+    host: Lru,
     queue: VecDeque<usize>,
     current: Option<usize>,
     /// When it will have served everything routed to it, as estimated at routing time.
@@ -357,8 +382,10 @@ struct Engine {
 #[derive(Debug, Clone, Serialize)]
 pub struct PolicyResult {
     pub policy: String,
-    /// Cached prompt tokens / prompt tokens.
+    /// Cached prompt tokens / prompt tokens (host-tier hits included).
     pub hit_rate: f64,
+    /// Prompt tokens loaded from the host tier / prompt tokens.
+    pub host_hit_rate: f64,
     /// `hit_rate` / the oracle's (filled in by [`run_all`]).
     pub vs_oracle: Option<f64>,
     /// Max / mean over engines of requests served.
@@ -428,8 +455,11 @@ struct Simulation<'a> {
     engines: Vec<Engine>,
     /// Every engine's bit.
     mask: u64,
-    /// Per request: blocks found cached, start.
+    /// Per request: blocks found cached (device and host), start.
     cached_blocks: Vec<usize>,
+    /// Per request: of those, blocks loaded from the host tier.
+    host_blocks: Vec<usize>,
+    host_hit_tokens: u64,
     started: Vec<f64>,
     events: BinaryHeap<std::cmp::Reverse<(Time, u64, Event)>>,
     /// Tie-breaker of events at the same time: the order they were scheduled.
@@ -453,6 +483,7 @@ impl<'a> Simulation<'a> {
                 slot,
                 id: engine_id(&format!("engine-{slot}")),
                 cache: Lru::default(),
+                host: Lru::default(),
                 queue: VecDeque::new(),
                 current: None,
                 free_at: 0.0,
@@ -480,6 +511,8 @@ impl<'a> Simulation<'a> {
             mask: engines.iter().fold(0u64, |m, e| m | (1 << e.slot)),
             engines,
             cached_blocks: vec![0; n],
+            host_blocks: vec![0; n],
+            host_hit_tokens: 0,
             started: vec![0.0; n],
             events: BinaryHeap::new(),
             seq: 0,
@@ -542,16 +575,18 @@ impl<'a> Simulation<'a> {
     fn choose(&mut self, r: &Request) -> (usize, usize) {
         let (slot, matched, reason) = match self.policy {
             SimPolicy::Router(_) => {
-                let m = self.index.longest_matches(&r.hashes, self.mask);
+                let m = self.index.longest_tier_matches(&r.hashes, self.mask);
+                let load = self.trace.config.host_load_secs_per_block;
                 let candidates: Vec<Candidate> = self
                     .engines
                     .iter()
                     .map(|e| Candidate {
                         slot: e.slot,
                         id: e.id,
-                        matched_blocks: m[e.slot],
+                        matched_blocks: m[e.slot].blocks,
                         inflight: (e.queue.len() + usize::from(e.current.is_some())) as u64,
-                        wait_secs: self.wait(e),
+                        // As the gateway does: a host-tier match costs its load.
+                        wait_secs: self.wait(e) + f64::from(m[e.slot].host) * load,
                         secs_per_token: 1.0 / self.trace.config.prefill_tps,
                         // One request at a time: any other in flight queues.
                         max_seqs: 1,
@@ -571,7 +606,11 @@ impl<'a> Simulation<'a> {
                 let known = |e: &Engine| {
                     r.hashes
                         .iter()
-                        .take_while(|h| e.cache.contains(**h) || e.pending.contains_key(&h.0))
+                        .take_while(|h| {
+                            e.cache.contains(**h)
+                                || e.host.contains(**h)
+                                || e.pending.contains_key(&h.0)
+                        })
                         .count()
                 };
                 let (slot, matched) = self
@@ -606,11 +645,18 @@ impl<'a> Simulation<'a> {
             return;
         };
         let r = &trace.requests[i];
-        let cached = e.cache.prefix(&r.hashes);
+        let device = e.cache.prefix(&r.hashes);
+        let host = r.hashes[device..]
+            .iter()
+            .take_while(|h| e.host.contains(**h))
+            .count();
+        let cached = device + host;
         self.cached_blocks[i] = cached;
+        self.host_blocks[i] = host;
         self.started[i] = self.now;
         let computed = r.prompt_tokens as usize - cached * b;
-        let prefill = computed as f64 / cfg.prefill_tps;
+        let prefill =
+            computed as f64 / cfg.prefill_tps + host as f64 * cfg.host_load_secs_per_block;
         e.current = Some(i);
         e.computed_tokens += (computed + r.output_tokens as usize) as u64;
         e.busy_s += prefill + f64::from(r.output_tokens) / cfg.decode_tps;
@@ -645,20 +691,40 @@ impl<'a> Simulation<'a> {
         self.ttft.push(self.now - r.at);
         self.queue_s += self.started[i] - r.at;
         self.hit_tokens += (cached * b) as u64;
+        self.host_hit_tokens += (self.host_blocks[i] * b) as u64;
         self.prompt_tokens += u64::from(r.prompt_tokens);
+        let host_capacity = trace.config.host_blocks;
         let e = &mut self.engines[slot];
-        // Keep the matched prefix from being evicted for the new blocks, store them, then
-        // release every block of the request tail first (the head is evicted last).
-        for h in &r.hashes[..cached] {
-            e.cache.touch(h.0);
+        // The request's blocks in the host tier come back to the device cache (a block is in
+        // one of the two, never both).
+        for h in &r.hashes {
+            e.host.remove(h.0);
         }
-        for h in &r.hashes[cached..] {
+        // Keep the device-held blocks from being evicted for the new ones, store them, then
+        // release every block of the request tail first (the head is evicted last).
+        for h in &r.hashes {
+            if e.cache.contains(*h) {
+                e.cache.touch(h.0);
+            }
+        }
+        for h in &r.hashes {
             if e.cache.contains(*h) {
                 continue;
             }
             if e.cache.len() >= capacity {
                 if let Some(old) = e.cache.evict_oldest() {
-                    self.index.remove(slot, BlockHash(old));
+                    if host_capacity == 0 {
+                        self.index.remove(slot, BlockHash(old));
+                    } else {
+                        // Demoted, not lost; the host tier drops its own oldest to make room.
+                        if e.host.len() >= host_capacity {
+                            if let Some(gone) = e.host.evict_oldest() {
+                                self.index.remove(slot, BlockHash(gone));
+                            }
+                        }
+                        e.host.touch(old);
+                        self.index.insert_at(slot, BlockHash(old), Tier::Host);
+                    }
                 }
             }
             e.cache.touch(h.0);
@@ -680,7 +746,7 @@ impl<'a> Simulation<'a> {
         if self.verify {
             assert_eq!(
                 self.index.len(slot),
-                e.cache.len(),
+                e.cache.len() + e.host.len(),
                 "index size, engine {slot}"
             );
             for h in e.cache.stamp.keys() {
@@ -708,6 +774,7 @@ impl<'a> Simulation<'a> {
         PolicyResult {
             policy: self.policy.name().to_owned(),
             hit_rate: self.hit_tokens as f64 / self.prompt_tokens.max(1) as f64,
+            host_hit_rate: self.host_hit_tokens as f64 / self.prompt_tokens.max(1) as f64,
             vs_oracle: None,
             requests_max_over_mean: max_over_mean(&as_f64(&per_engine_requests)),
             tokens_max_over_mean: max_over_mean(&as_f64(&per_engine_tokens)),
@@ -1049,6 +1116,29 @@ mod tests {
         for r in &results {
             assert!(r.hit_rate <= oracle.hit_rate + 1e-12, "{}", r.policy);
             assert!(r.vs_oracle.unwrap() <= 1.0 + 1e-12);
+        }
+    }
+
+    #[test]
+    fn a_host_tier_keeps_the_index_true_and_raises_every_policys_hit_rate() {
+        let mut cfg = small(Some(60));
+        let off = run_all(&Trace::generate(&cfg), &SimPolicy::ALL);
+        cfg.host_blocks = 240;
+        let trace = Trace::generate(&cfg);
+        for p in SimPolicy::ALL {
+            run(&trace, p, true);
+        }
+        let on = run_all(&trace, &SimPolicy::ALL);
+        for (a, b) in off.iter().zip(&on) {
+            assert_eq!(a.host_hit_rate, 0.0);
+            assert!(b.host_hit_rate > 0.0, "{}", b.policy);
+            assert!(
+                b.hit_rate > a.hit_rate,
+                "{}: {} -> {}",
+                a.policy,
+                a.hit_rate,
+                b.hit_rate
+            );
         }
     }
 

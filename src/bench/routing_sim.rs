@@ -52,6 +52,13 @@ pub struct SimArgs {
     /// Iterations of the decision-time loop (0 skips it).
     #[arg(long, default_value_t = 20_000)]
     timing_iterations: usize,
+    /// Host-tier blocks per engine: with it, every policy runs twice, tiers off and on, and the
+    /// report compares them (0: no host tier).
+    #[arg(long, default_value_t = 0)]
+    host_blocks: usize,
+    /// Milliseconds to bring one block back from the host tier.
+    #[arg(long, default_value_t = 0.2)]
+    host_load_ms_per_block: f64,
     /// Tokenizer for the decision-time loop (tokenizer.json, tokenizer_config.json).
     #[arg(long, default_value = "target/kvgate-test-assets/smollm2-f32")]
     tokenizer_dir: PathBuf,
@@ -70,6 +77,8 @@ struct Output<'a> {
     requests: usize,
     ideal_hit_rate: f64,
     results: &'a [PolicyResult],
+    /// The same trace with a host tier of `config.host_blocks` per engine.
+    results_with_host_tier: Option<&'a [PolicyResult]>,
     decision_timing: Option<&'a DecisionTiming>,
 }
 
@@ -85,6 +94,8 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
         rate: args.sim_rate,
         prefill_tps: args.prefill_tps,
         decode_tps: args.decode_tps,
+        host_blocks: 0,
+        host_load_secs_per_block: args.host_load_ms_per_block / 1e3,
         ..SimConfig::default()
     };
     if let Some(f) = args.load_factor {
@@ -108,12 +119,24 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
+    if !(args.host_load_ms_per_block >= 0.0 && args.host_load_ms_per_block.is_finite()) {
+        bail!("--host-load-ms-per-block must be a non-negative number");
+    }
     let trace = Trace::generate(&config);
     let results = sim::run_all(&trace, &policies);
+    // The same requests (the trace does not depend on the tiers), with a host tier.
+    let tiered = (args.host_blocks > 0).then(|| {
+        let mut with = config.clone();
+        with.host_blocks = args.host_blocks;
+        sim::run_all(&Trace::generate(&with), &policies)
+    });
     let timing = decision_timing(args, &config)?;
     let to_stdout = json == Some("-");
     if !to_stdout {
         print!("{}", table(&trace, &results, timing.as_ref()));
+        if let Some(on) = &tiered {
+            print!("{}", tier_table(args, &results, on));
+        }
     }
     if let Some(path) = json {
         let out = serde_json::to_string_pretty(&Output {
@@ -123,6 +146,7 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
             requests: trace.len(),
             ideal_hit_rate: trace.ideal_hit_rate(),
             results: &results,
+            results_with_host_tier: tiered.as_deref(),
             decision_timing: timing.as_ref(),
         })?;
         if to_stdout {
@@ -309,6 +333,48 @@ fn table(trace: &Trace, results: &[PolicyResult], timing: Option<&DecisionTiming
             s,
             "  cold (system prompt not cached yet): mean {:.1} us, p99 {:.1} us ({} iterations)",
             t.cold_mean_us, t.cold_p99_us, t.cold_iterations
+        );
+    }
+    s
+}
+
+/// Every policy with the host tier off and on: hit rate and TTFT.
+fn tier_table(args: &SimArgs, off: &[PolicyResult], on: &[PolicyResult]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\nwith a host tier of {} blocks per engine ({} ms per block loaded), same trace:",
+        args.host_blocks, args.host_load_ms_per_block
+    );
+    let _ = writeln!(
+        s,
+        "{:<16} {:>9} {:>9} {:>9} {:>12} {:>12} {:>12} {:>12}",
+        "policy",
+        "hit off",
+        "hit on",
+        "from host",
+        "TTFT mean",
+        "TTFT mean",
+        "TTFT p99",
+        "TTFT p99"
+    );
+    let _ = writeln!(
+        s,
+        "{:<16} {:>9} {:>9} {:>9} {:>12} {:>12} {:>12} {:>12}",
+        "", "", "", "", "off ms", "on ms", "off ms", "on ms"
+    );
+    for (a, b) in off.iter().zip(on) {
+        let _ = writeln!(
+            s,
+            "{:<16} {:>8.1}% {:>8.1}% {:>8.1}% {:>12.1} {:>12.1} {:>12.1} {:>12.1}",
+            a.policy,
+            a.hit_rate * 100.0,
+            b.hit_rate * 100.0,
+            b.host_hit_rate * 100.0,
+            a.mean_ttft_ms,
+            b.mean_ttft_ms,
+            a.p99_ttft_ms,
+            b.p99_ttft_ms
         );
     }
     s
