@@ -12,9 +12,12 @@
 //!   same server in the same run.
 //! - `sharegpt`: first human turns of the ShareGPT file as prompts (cut to `--max-prompt-chars`),
 //!   with their answer lengths as `max_tokens` (capped by `--max-tokens`).
+//! - `multi-tenant`: `--tenants` tenants, each with its own system prompt of `--system-tokens`;
+//!   every request is one tenant's prompt (in a seeded order) plus a question of its own. With
+//!   more tenants than a server has slots, a server that caches a prompt per slot loses them.
 //!
 //! `--tiers` starts its own engines: the time to first token of an evicted prompt by the tier
-//! its blocks come back from ([`tiers`]).
+//! its blocks come back from, the tiers' throughput, and warm against cold restarts ([`tiers`]).
 //!
 //! `--routing-sim` needs no server: it compares the gateway's routing policies on a simulated
 //! fleet ([`routing_sim`]).
@@ -39,9 +42,18 @@ pub struct BenchArgs {
     /// Model name to send.
     #[arg(long, default_value = "smollm2-135m-instruct")]
     model: String,
-    /// shared-prefix or sharegpt.
+    /// shared-prefix, sharegpt or multi-tenant (`--tenants` system prompts, each request a
+    /// tenant's prompt and a question of its own, tenants in a seeded order).
     #[arg(long, default_value = "shared-prefix")]
     workload: String,
+    /// Before the timed requests, send every distinct prefix of the workload once, one at a time
+    /// (each tenant's system prompt, the shared prefix), untimed: the steady state of a service
+    /// whose tenants come back.
+    #[arg(long)]
+    warmup: bool,
+    /// Length of each tenant's system prompt in the multi-tenant workload, in tokens (about).
+    #[arg(long, default_value_t = 500)]
+    system_tokens: usize,
     /// Requests to send.
     #[arg(long, default_value_t = 32)]
     requests: usize,
@@ -142,8 +154,36 @@ fn jobs(args: &BenchArgs) -> Result<Vec<Job>> {
                 })
                 .collect())
         }
-        other => bail!("unknown workload {other:?} (expected shared-prefix or sharegpt)"),
+        "multi-tenant" => {
+            if args.sim.tenants == 0 || args.system_tokens < 23 {
+                bail!("--tenants must be positive and --system-tokens at least 23");
+            }
+            let systems = tiers::tenant_prompts(args.sim.tenants, args.system_tokens);
+            let mut x = args.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+            Ok((0..args.requests)
+                .map(|i| tiers::tenant_job(&systems, i, tiers::xorshift(&mut x), args.max_tokens))
+                .collect())
+        }
+        other => {
+            bail!("unknown workload {other:?} (expected shared-prefix, sharegpt or multi-tenant)")
+        }
     }
+}
+
+/// One request per distinct prefix of the workload, one token out (`--warmup`).
+fn warmup_jobs(args: &BenchArgs) -> Vec<Job> {
+    let prompts = match args.workload.as_str() {
+        "multi-tenant" => tiers::tenant_prompts(args.sim.tenants, args.system_tokens),
+        "shared-prefix" => vec![FEW_SHOT.to_owned()],
+        _ => Vec::new(),
+    };
+    prompts
+        .into_iter()
+        .map(|p| Job {
+            prompt: format!("{p}\nWarm-up."),
+            max_tokens: 1,
+        })
+        .collect()
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -168,6 +208,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .map(serde_json::from_str)
         .transpose()
         .context("--response-format is not JSON")?;
+    if args.warmup {
+        for job in warmup_jobs(&args) {
+            let o = client::stream_completion(&target, &args.model, &job, None, None);
+            if let Some(e) = o.error {
+                bail!("warm-up request failed: {e}");
+            }
+        }
+    }
     let before = client::scrape(&target).context("reading /metrics before the run")?;
     let bar = ProgressBar::new(jobs.len() as u64);
     bar.set_style(
@@ -270,4 +318,76 @@ pub fn run(args: BenchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use std::collections::HashSet;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    fn args(extra: &[&str]) -> BenchArgs {
+        let argv = [
+            "bench",
+            "--url",
+            "http://127.0.0.1:1",
+            "--workload",
+            "multi-tenant",
+        ];
+        Cli::parse_from(argv.iter().chain(extra)).bench
+    }
+
+    /// Each request is one tenant's whole system prompt and a question of its own; a seed gives
+    /// one order, another seed another; the warm-up sends each tenant's prompt exactly once.
+    #[test]
+    fn the_multi_tenant_workload_cycles_tenants_in_a_seeded_order() {
+        let a = args(&[
+            "--tenants",
+            "12",
+            "--system-tokens",
+            "200",
+            "--requests",
+            "60",
+        ]);
+        let systems = tiers::tenant_prompts(12, 200);
+        let owner = |j: &Job| {
+            let owners: Vec<usize> = (0..12)
+                .filter(|t| j.prompt.starts_with(&format!("{}\n", systems[*t])))
+                .collect();
+            assert_eq!(owners.len(), 1, "{:?}", &j.prompt[..40]);
+            owners[0]
+        };
+        let first = jobs(&a).unwrap();
+        assert_eq!(first.len(), 60);
+        let tenants: Vec<usize> = first.iter().map(owner).collect();
+        let distinct: HashSet<usize> = tenants.iter().copied().collect();
+        assert!(distinct.len() >= 10, "{tenants:?}");
+        assert_eq!(
+            jobs(&a)
+                .unwrap()
+                .iter()
+                .map(|j| &j.prompt)
+                .collect::<Vec<_>>(),
+            first.iter().map(|j| &j.prompt).collect::<Vec<_>>()
+        );
+        let other = args(&["--tenants", "12", "--system-tokens", "200", "--seed", "1"]);
+        assert_ne!(
+            jobs(&other)
+                .unwrap()
+                .iter()
+                .map(owner)
+                .take(20)
+                .collect::<Vec<_>>(),
+            tenants[..20]
+        );
+        let warm: Vec<usize> = warmup_jobs(&a).iter().map(owner).collect();
+        assert_eq!(warm, (0..12).collect::<Vec<_>>());
+        assert!(jobs(&args(&["--tenants", "0"])).is_err());
+    }
 }

@@ -12,7 +12,9 @@
 //! 3. prefills: unfinished chunked prefills first, then new groups, chosen across tenants by
 //!    weighted fair queuing (each tenant's served tokens divided by its weight) and FIFO within a
 //!    tenant. A tenant at its KV quota waits; other tenants go on. A prompt is cut into chunks that
-//!    fit what is left of the token budget.
+//!    fit what is left of the token budget, which in a step that decodes is at most
+//!    `decode_step_prefill_tokens`: a long prompt is spread over steps instead of holding every
+//!    running sequence's next token back (inter-token latency against time to first token).
 //!
 //! KV quotas belong to tenants, not cache scopes: tenants that share a scope share cached
 //! prefixes, and each is held to its own quota, which every request restates

@@ -894,6 +894,7 @@ impl<B: Backend> Worker<B> {
             running: running as u32,
             max_seqs: config.max_seqs as u32,
             max_batched_tokens: config.max_batched_tokens as u32,
+            decode_step_prefill_tokens: config.decode_step_prefill_tokens as u32,
             available_blocks: (u.free + u.cached) as u64,
             free_blocks: u.free as u64,
             secs_per_token,

@@ -34,6 +34,9 @@ pub struct LoadReport {
     pub max_seqs: u32,
     /// Tokens one step computes at most (`scheduler.max_batched_tokens`).
     pub max_batched_tokens: u32,
+    /// Prompt tokens a step that also decodes computes at most
+    /// (`scheduler.decode_step_prefill_tokens`; 0: no such limit).
+    pub decode_step_prefill_tokens: u32,
     /// KV blocks a new request may take without waiting: free plus cached (evictable).
     pub available_blocks: u64,
     /// KV blocks that are free and hold nothing: a new request's blocks beyond these evict
@@ -115,9 +118,11 @@ impl LoadReport {
         }
         let per_token = self.secs_per_token(prior);
         let running = u64::from(self.running);
-        let chunk = u64::from(self.max_batched_tokens)
-            .saturating_sub(running)
-            .max(1);
+        let mut chunk = u64::from(self.max_batched_tokens).saturating_sub(running);
+        if running > 0 && self.decode_step_prefill_tokens > 0 {
+            chunk = chunk.min(u64::from(self.decode_step_prefill_tokens));
+        }
+        let chunk = chunk.max(1);
         let steps = tokens.div_ceil(chunk);
         tokens as f64 * per_token + steps as f64 * (self.step_secs + running as f64 * per_token)
     }
@@ -377,6 +382,13 @@ mod tests {
         // 1000 tokens in chunks of 504 beside 8 decodes: 2 steps of 10 ms + 8 tokens each.
         let queue = 1.0 + 2.0 * (0.01 + 0.008);
         assert!((busy.wait_secs(None, 10, 10, 0.5) - (queue + 2.0)).abs() < 1e-9);
+        // An engine that computes at most 256 prompt tokens in a step that decodes: 4 steps.
+        let capped = LoadReport {
+            decode_step_prefill_tokens: 256,
+            ..busy.clone()
+        };
+        let steps = 1.0 + 4.0 * (0.01 + 0.008);
+        assert!((capped.prefill_secs(1000, 0.5) - steps).abs() < 1e-9);
         // A report ages: the engine has worked for that long since.
         assert!((busy.wait_now(1.0, ask(None, 10, 10, 0), 0.5) - (queue + 1.0)).abs() < 1e-9);
         assert_eq!(busy.wait_now(60.0, ask(None, 10, 10, 0), 0.5), 0.0);

@@ -140,14 +140,19 @@ pub fn stream_completion_with(
                 break;
             }
             let v: serde_json::Value = serde_json::from_str(data)?;
-            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            let usage = v.get("usage").filter(|u| !u.is_null());
+            if let Some(u) = usage {
                 out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
                 out.output_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
                 out.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
                     .as_u64()
                     .unwrap_or(0);
             }
-            if v["choices"].as_array().is_some_and(|c| !c.is_empty()) {
+            // A token is a chunk with a choice; some servers (llama-server) also put an empty
+            // choice in the final usage chunk, which is not one.
+            let choice = v["choices"].get(0);
+            let empty_final = usage.is_some() && choice.is_some_and(|c| c["text"] == "");
+            if choice.is_some() && !empty_final {
                 let now = Instant::now();
                 match last {
                     None => out.ttft = Some(now - start),

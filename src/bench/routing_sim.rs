@@ -16,9 +16,10 @@ pub struct SimArgs {
     /// Simulated engines.
     #[arg(long, default_value_t = 8)]
     engines: usize,
-    /// Tenants, with Zipf popularity.
+    /// Tenants: of the simulation (with Zipf popularity), or of the multi-tenant workload (in
+    /// a uniform seeded order).
     #[arg(long, default_value_t = 100)]
-    tenants: usize,
+    pub tenants: usize,
     /// Zipf exponent of tenant popularity.
     #[arg(long, default_value_t = 1.0)]
     zipf_s: f64,

@@ -13,6 +13,10 @@
 //!
 //! `--tier-throughput` instead runs a shared-prefix workload whose system prompts are four times
 //! the KV pool, tiers off against the host tier on: requests per second and TTFT p50/p99.
+//!
+//! `--tier-restart` restarts an engine whose tenants' system prompts were cached, once with its
+//! disk tier kept (warm) and once with it emptied (cold), and times each restart from the start
+//! of the process's engine to its first cached hit, with the hit rate of the first minute.
 
 use super::client::{self, Target};
 use super::Job;
@@ -36,6 +40,13 @@ pub struct TierArgs {
     /// Run the shared-prefix throughput workload (system prompts 4x the pool) instead.
     #[arg(long)]
     pub tier_throughput: bool,
+    /// Time a warm restart (the disk tier kept) against a cold one instead: the time from start
+    /// to the first cached hit and the hit rate over the first `--tier-restart-secs`.
+    #[arg(long)]
+    pub tier_restart: bool,
+    /// How long each restart is measured for, in seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub tier_restart_secs: f64,
 }
 
 const MODEL_ID: &str = "smollm2-135m-instruct";
@@ -183,6 +194,9 @@ pub fn run(args: &TierArgs, json: Option<&str>) -> Result<()> {
     if args.tier_throughput {
         return throughput(args, &dir, &base, json);
     }
+    if args.tier_restart {
+        return restart(args, &dir, &scratch, json);
+    }
     let mut results: Vec<ModeResult> = Vec::new();
     for mode in ["recompute", "host", "disk", "peer"] {
         let mut times = Vec::new();
@@ -295,6 +309,160 @@ struct ThroughputResult {
     cached_fraction: f64,
 }
 
+/// `count` tenants' system prompts of about `tokens` tokens each.
+pub(super) fn tenant_prompts(count: usize, tokens: usize) -> Vec<String> {
+    (0..count)
+        .map(|t| prompt(&format!("tenant {t} ({})", WORDS[t % WORDS.len()]), tokens))
+        .collect()
+}
+
+/// A seeded xorshift stream: the same request order in every mode.
+pub(super) fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+/// A question for tenant `x % tenants` (request `i`).
+pub(super) fn tenant_job(systems: &[String], i: usize, x: u64, max_tokens: u32) -> Job {
+    Job {
+        prompt: format!(
+            "{}\nQuestion {i}: what is fact {}?",
+            systems[(x % systems.len() as u64) as usize],
+            x % 97
+        ),
+        max_tokens,
+    }
+}
+
+/// Runs `client` on `n` threads at once and gathers what they return.
+fn run_clients<T: Send>(n: usize, client: impl Fn() -> Vec<T> + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n).map(|_| s.spawn(&client)).collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_default())
+            .collect()
+    })
+}
+
+#[derive(Debug, serde::Serialize)]
+struct RestartResult {
+    mode: &'static str,
+    /// From the start of the engine (the model's load included) to listening.
+    ready_secs: f64,
+    /// From the start of the engine to the end of the first request that found its tenant's
+    /// system prompt cached (`None`: none did in the window).
+    first_hit_secs: Option<f64>,
+    requests: usize,
+    /// Cached prompt tokens over prompt tokens, the whole window.
+    hit_rate: f64,
+    /// Requests whose system prompt was cached.
+    requests_hit: usize,
+}
+
+/// Warm restart against cold: 48 tenants' 400-token system prompts are cached (and, at the stop,
+/// persisted), then the engine restarts with its disk tier kept, and again with it emptied;
+/// each time 4 clients send the tenants' questions, in the same seeded order, from the moment
+/// the engine starts, for `--tier-restart-secs`.
+fn restart(args: &TierArgs, dir: &Path, scratch: &Path, json: Option<&str>) -> Result<()> {
+    const TENANTS: usize = 48;
+    const PROMPT_TOKENS: usize = 400;
+    const CLIENTS: usize = 4;
+    if !(args.tier_restart_secs > 0.0 && args.tier_restart_secs.is_finite()) {
+        bail!("--tier-restart-secs must be a positive number");
+    }
+    let window = Duration::from_secs_f64(args.tier_restart_secs);
+    let systems = tenant_prompts(TENANTS, PROMPT_TOKENS);
+    let disk = scratch.join("restart");
+    let _ = std::fs::remove_dir_all(&disk);
+    // The pool holds every tenant: only the restart loses them.
+    let toml = format!(
+        "[auth]\nengine_token = \"{TOKEN}\"\n[kv]\nblocks = 2048\nhash_seed = \"{}\"\n\
+         disk_dir = {:?}\n",
+        "5a".repeat(32),
+        disk.display().to_string()
+    );
+    {
+        let e = LocalEngine::start(&toml, dir)?;
+        for system in &systems {
+            e.ttft(&format!("{system}\nWarm-up."))?;
+        }
+        // Stopping persists the cache to disk.
+    }
+    let mut results = Vec::new();
+    for mode in ["warm restart", "cold restart"] {
+        if mode == "cold restart" {
+            std::fs::remove_dir_all(&disk).context("emptying the disk tier")?;
+        }
+        let started = std::time::Instant::now();
+        let e = LocalEngine::start(&toml, dir)?;
+        let ready = started.elapsed().as_secs_f64();
+        let next = std::sync::Mutex::new((0usize, 0x2545_f491_4f6c_dd1du64));
+        let outcomes: Vec<(f64, super::report::Outcome)> = run_clients(CLIENTS, || {
+            let mut out = Vec::new();
+            while started.elapsed() < window {
+                let Ok(mut n) = next.lock() else { break };
+                let i = n.0;
+                n.0 += 1;
+                let x = xorshift(&mut n.1);
+                drop(n);
+                let job = tenant_job(&systems, i, x, 4);
+                let o = client::stream_completion(&e.target, MODEL_ID, &job, None, None);
+                out.push((started.elapsed().as_secs_f64(), o));
+            }
+            out
+        });
+        if let Some(err) = outcomes.iter().find_map(|(_, o)| o.error.clone()) {
+            bail!("{mode}: {err}");
+        }
+        // A hit: at least the system prompt's full blocks came from the cache.
+        let hit =
+            |o: &super::report::Outcome| o.cached_tokens >= (PROMPT_TOKENS as u64 / 16) * 16 / 2;
+        let (cached, prompt): (u64, u64) = outcomes.iter().fold((0, 0), |(c, p), (_, o)| {
+            (c + o.cached_tokens, p + o.prompt_tokens)
+        });
+        let r = RestartResult {
+            mode,
+            ready_secs: ready,
+            first_hit_secs: outcomes
+                .iter()
+                .filter(|(_, o)| hit(o))
+                .map(|(t, _)| *t)
+                .min_by(f64::total_cmp),
+            requests: outcomes.len(),
+            hit_rate: cached as f64 / prompt.max(1) as f64,
+            requests_hit: outcomes.iter().filter(|(_, o)| hit(o)).count(),
+        };
+        eprintln!("{r:?}");
+        results.push(r);
+    }
+    let _ = std::fs::remove_dir_all(scratch);
+    println!(
+        "restart with {TENANTS} tenants' {PROMPT_TOKENS}-token system prompts cached, {CLIENTS} \
+         clients from the start, {:.0} s:",
+        args.tier_restart_secs
+    );
+    println!(
+        "{:<13} {:>9} {:>14} {:>9} {:>9} {:>9}",
+        "mode", "ready s", "first hit s", "requests", "hits", "hit rate"
+    );
+    for r in &results {
+        println!(
+            "{:<13} {:>9.2} {:>14} {:>9} {:>9} {:>9.3}",
+            r.mode,
+            r.ready_secs,
+            r.first_hit_secs
+                .map_or_else(|| "none".to_owned(), |t| format!("{t:.2}")),
+            r.requests,
+            r.requests_hit,
+            r.hit_rate
+        );
+    }
+    write_json(json, &results)
+}
+
 /// The shared-prefix workload whose system prompts are 4x the pool: 24 tenants' 400-token
 /// prompts (25 blocks each, 600 in all) on a 150-block pool, 96 requests from 4 clients in a
 /// seeded order, each a tenant's prompt and a short question of its own, 4 tokens out, after
@@ -305,29 +473,10 @@ fn throughput(args: &TierArgs, dir: &Path, base: &str, json: Option<&str>) -> Re
     const PROMPT_TOKENS: usize = 400;
     const REQUESTS: usize = 96;
     const CLIENTS: usize = 4;
-    let systems: Vec<String> = (0..TENANTS)
-        .map(|t| {
-            prompt(
-                &format!("tenant {t} ({})", WORDS[t % WORDS.len()]),
-                PROMPT_TOKENS,
-            )
-        })
-        .collect();
+    let systems = tenant_prompts(TENANTS, PROMPT_TOKENS);
     let mut x = 0x2545_f491_4f6c_dd1du64;
     let jobs: Vec<Job> = (0..REQUESTS)
-        .map(|i| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            Job {
-                prompt: format!(
-                    "{}\nQuestion {i}: what is fact {}?",
-                    systems[(x % TENANTS as u64) as usize],
-                    x % 97
-                ),
-                max_tokens: 4,
-            }
-        })
+        .map(|i| tenant_job(&systems, i, xorshift(&mut x), 4))
         .collect();
     // A quarter of the blocks the tenants' prompts take.
     let pool_blocks = TENANTS * PROMPT_TOKENS.div_ceil(16) / 4;
@@ -348,26 +497,14 @@ fn throughput(args: &TierArgs, dir: &Path, base: &str, json: Option<&str>) -> Re
         }
         let next = std::sync::atomic::AtomicUsize::new(0);
         let started = std::time::Instant::now();
-        let outcomes: Vec<super::report::Outcome> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..CLIENTS)
-                .map(|_| {
-                    s.spawn(|| {
-                        let mut out = Vec::new();
-                        loop {
-                            let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                            let Some(job) = jobs.get(i) else { break };
-                            out.push(client::stream_completion(
-                                &e.target, MODEL_ID, job, None, None,
-                            ));
-                        }
-                        out
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .flat_map(|h| h.join().unwrap_or_default())
-                .collect()
+        let outcomes: Vec<super::report::Outcome> = run_clients(CLIENTS, || {
+            let mut out = Vec::new();
+            while let Some(job) = jobs.get(next.fetch_add(1, std::sync::atomic::Ordering::SeqCst)) {
+                out.push(client::stream_completion(
+                    &e.target, MODEL_ID, job, None, None,
+                ));
+            }
+            out
         });
         let secs = started.elapsed().as_secs_f64();
         if let Some(err) = outcomes.iter().find_map(|o| o.error.clone()) {

@@ -10,6 +10,9 @@ use std::collections::HashMap;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchedulerConfig {
     pub max_batched_tokens: usize,
+    /// The most prompt tokens a step that also decodes computes: a long prefill is spread over
+    /// steps instead of holding every running request's next token back.
+    pub decode_step_prefill_tokens: usize,
     pub max_seqs: usize,
     pub preempt_mode: PreemptMode,
 }
@@ -239,6 +242,9 @@ impl Scheduler {
             seqs: self.config.max_seqs,
         };
         self.schedule_decodes(&mut plan, &mut budget);
+        if !plan.items.is_empty() {
+            budget.tokens = budget.tokens.min(self.config.decode_step_prefill_tokens);
+        }
         self.schedule_swap_ins(&mut plan);
         self.schedule_running_prefills(&mut plan, &mut budget);
         self.admit_waiting(&mut plan, &mut budget);

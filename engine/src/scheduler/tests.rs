@@ -11,6 +11,7 @@ fn scheduler(blocks: u32, mode: PreemptMode) -> Scheduler {
     Scheduler::new(
         SchedulerConfig {
             max_batched_tokens: 64,
+            decode_step_prefill_tokens: 64,
             max_seqs: 8,
             preempt_mode: mode,
         },
@@ -282,6 +283,7 @@ fn random_run(mode: PreemptMode, seed: u64) {
     let mut s = Scheduler::new(
         SchedulerConfig {
             max_batched_tokens: 24,
+            decode_step_prefill_tokens: 24,
             max_seqs: 6,
             preempt_mode: mode,
         },
@@ -425,6 +427,7 @@ fn randomized_quota_updates_in_shared_scopes_never_wedge() {
             let mut s = Scheduler::new(
                 SchedulerConfig {
                     max_batched_tokens: 24,
+                    decode_step_prefill_tokens: 24,
                     max_seqs: 6,
                     preempt_mode: mode,
                 },
@@ -459,6 +462,7 @@ fn a_prefill_under_a_quota_lowered_below_its_prompt_is_refused() {
         let mut s = Scheduler::new(
             SchedulerConfig {
                 max_batched_tokens: 8,
+                decode_step_prefill_tokens: 8,
                 max_seqs: 8,
                 preempt_mode: mode,
             },
@@ -476,4 +480,42 @@ fn a_prefill_under_a_quota_lowered_below_its_prompt_is_refused() {
         assert!(!s.has_work(), "{mode:?}");
         assert_eq!(s.kv.usage().used, 0, "{mode:?}");
     }
+}
+
+/// A step that decodes computes at most `decode_step_prefill_tokens` prompt tokens, so a long
+/// prompt arriving does not hold the running requests' next tokens back for its whole prefill;
+/// a step with nothing to decode uses the whole budget.
+#[test]
+fn a_step_that_decodes_caps_its_prefill() {
+    let mut s = Scheduler::new(
+        SchedulerConfig {
+            max_batched_tokens: 64,
+            decode_step_prefill_tokens: 16,
+            max_seqs: 8,
+            preempt_mode: PreemptMode::Recompute,
+        },
+        test_manager(256, 64, 4),
+    );
+    // Alone, a 60-token prompt is computed in one step.
+    add(&mut s, 1, 0, 60, 1, 20);
+    let plan = step(&mut s);
+    assert_eq!(plan.items.iter().map(|i| i.len).sum::<usize>(), 60);
+    // Now it decodes: the next prompt comes 16 tokens a step, beside that decode.
+    add(&mut s, 2, 1, 60, 1, 20);
+    for done in [16, 32, 48, 60] {
+        let plan = step(&mut s);
+        let prefill: Vec<&StepItem> = plan
+            .items
+            .iter()
+            .filter(|i| i.group == GroupId(2))
+            .collect();
+        assert_eq!(prefill.len(), 1);
+        assert_eq!(prefill[0].start + prefill[0].len, done);
+        assert!(plan
+            .items
+            .iter()
+            .any(|i| i.group == GroupId(1) && i.len == 1));
+    }
+    drain(&mut s, 100);
+    assert_eq!(s.kv.num_sequences(), 0);
 }

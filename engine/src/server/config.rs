@@ -25,6 +25,8 @@
 //! hash_seed = "<64 hex digits>"             # deployment secret, the same on every engine
 //! [scheduler]
 //! max_batched_tokens = 2048
+//! decode_step_prefill_tokens = 256           # prompt tokens in a step that also decodes
+//!                                           # (default: 256 on cpu, max_batched_tokens on cuda)
 //! max_seqs = 64
 //! preemption = "recompute"                  # or "swap"
 //! [sampling]                                # defaults for what a request leaves out; each
@@ -129,6 +131,11 @@ pub struct KvSection {
 pub struct SchedulerSection {
     #[serde(default = "default_batched_tokens")]
     pub max_batched_tokens: usize,
+    /// The most prompt tokens of a step that also decodes: inter-token latency against TTFT.
+    /// Default: 256 on the CPU, where a step's time grows with its tokens, and the whole
+    /// `max_batched_tokens` on a GPU, where a chunk beside the decodes costs them little.
+    #[serde(default)]
+    pub decode_step_prefill_tokens: Option<usize>,
     #[serde(default = "default_max_seqs")]
     pub max_seqs: usize,
     #[serde(default)]
@@ -184,10 +191,26 @@ impl Default for KvSection {
     }
 }
 
+impl SchedulerSection {
+    /// [`Self::decode_step_prefill_tokens`], or its default for `device`.
+    pub fn decode_step_prefill_tokens(&self, device: Device) -> usize {
+        self.decode_step_prefill_tokens.unwrap_or(match device {
+            Device::Cpu => CPU_DECODE_STEP_PREFILL_TOKENS.min(self.max_batched_tokens),
+            Device::Cuda(_) => self.max_batched_tokens,
+        })
+    }
+}
+
+/// On the CPU a step's time grows with its tokens. With 256 prompt tokens beside the decodes, a
+/// ShareGPT replay's inter-token p99 was 321 ms against 998 ms with 2,048, at a higher throughput
+/// (docs/PERFORMANCE.md).
+const CPU_DECODE_STEP_PREFILL_TOKENS: usize = 256;
+
 impl Default for SchedulerSection {
     fn default() -> Self {
         SchedulerSection {
             max_batched_tokens: default_batched_tokens(),
+            decode_step_prefill_tokens: None,
             max_seqs: default_max_seqs(),
             preemption: PreemptMode::default(),
         }
@@ -249,8 +272,15 @@ impl EngineConfig {
         if self.kv.disk_dir.is_some() && self.kv.disk_bytes == 0 {
             return Err("kv.disk_bytes: must be positive with kv.disk_dir".into());
         }
-        if self.scheduler.max_batched_tokens == 0 || self.scheduler.max_seqs == 0 {
-            return Err("scheduler.max_batched_tokens and max_seqs: must be positive".into());
+        if self.scheduler.max_batched_tokens == 0
+            || self.scheduler.max_seqs == 0
+            || self.scheduler.decode_step_prefill_tokens == Some(0)
+        {
+            return Err(
+                "scheduler.max_batched_tokens, decode_step_prefill_tokens and max_seqs: must be \
+                 positive"
+                    .into(),
+            );
         }
         if let Some(seed) = &self.kv.hash_seed {
             parse_seed(seed)?;
@@ -350,7 +380,24 @@ mod tests {
         assert_eq!(c.kv.block_size, 16);
         assert_eq!(c.scheduler.preemption, PreemptMode::Recompute);
         assert_eq!(c.dtype, WeightDType::F32);
+        // A decode step's prefill: a quarter-ish step on the CPU, the whole budget on a GPU.
+        assert_eq!(c.scheduler.decode_step_prefill_tokens(Device::Cpu), 256);
+        assert_eq!(
+            c.scheduler.decode_step_prefill_tokens(Device::Cuda(0)),
+            2048
+        );
+        let small = EngineConfig::parse("[scheduler]\nmax_batched_tokens = 100").unwrap();
+        assert_eq!(small.scheduler.decode_step_prefill_tokens(Device::Cpu), 100);
+        let set = EngineConfig::parse("[scheduler]\ndecode_step_prefill_tokens = 64").unwrap();
+        assert_eq!(
+            set.scheduler.decode_step_prefill_tokens(Device::Cuda(0)),
+            64
+        );
         for (text, field) in [
+            (
+                "[scheduler]\ndecode_step_prefill_tokens = 0",
+                "decode_step_prefill_tokens",
+            ),
             ("device = \"tpu\"", "expected cpu, cuda or cuda:N"),
             ("device = \"cuda:x\"", "expected cpu, cuda or cuda:N"),
             ("[kv]\nblock_size = 0", "kv.block_size"),

@@ -182,6 +182,7 @@ fn start_on<B: Backend + 'static>(
     let sched = Scheduler::new(
         SchedulerConfig {
             max_batched_tokens: config.scheduler.max_batched_tokens,
+            decode_step_prefill_tokens: config.scheduler.decode_step_prefill_tokens(config.device),
             max_seqs: config.scheduler.max_seqs,
             preempt_mode: config.scheduler.preemption,
         },
