@@ -1,7 +1,8 @@
 //! The prefix cache's slower tiers end to end, on the real model: a prompt evicted from the KV
 //! pool comes back from host memory, and from disk after a restart, with exactly the output it
 //! has when computed; a corrupted disk block is caught by its checksum and recomputed, never
-//! served; a flush reaches the files; another deployment's directory is refused.
+//! served; a flush reaches the files; another deployment's directory is refused; a full disk
+//! turns the tier off and nothing else; tenants never share a block in any tier.
 
 use kvgate_engine::server::{config::EngineConfig, launch};
 use kvgate_tests::{smollm2_dir, Engine, Response};
@@ -289,4 +290,98 @@ fn a_prefix_comes_from_the_peer_that_holds_it_and_a_bad_peer_costs_only_a_recomp
         (200, 0),
         "blocks for a prompt it never saw"
     );
+}
+
+/// A tenant's blocks serve only its own scope in every tier: another tenant asking the same
+/// prompt computes it, whether the blocks sit in the pool, in host memory, or on disk after a
+/// restart, and gets exactly the same output.
+#[test]
+fn tenants_never_share_a_block_in_any_tier() {
+    use kvgate_tests::gateway::gated_engine;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kv = format!(
+        "blocks = 20\nhost_cache_blocks = 64\ndisk_dir = {:?}",
+        dir.path().display().to_string()
+    );
+    let prompt = long_prompt("rivers");
+    let want = {
+        let e = gated_engine(&kv);
+        let (want, _) = gated_ask(&e, "acme", &prompt, &[]);
+        // In the pool.
+        let (got, cached) = gated_ask(&e, "globex", &prompt, &[]);
+        assert_eq!((got.as_str(), cached), (want.as_str(), 0), "pool");
+        // In host memory: both scopes' blocks are evicted from the 20-block pool.
+        for topic in ["volcanoes", "glaciers"] {
+            gated_ask(&e, "hooli", &long_prompt(topic), &[]);
+        }
+        assert!(e.metric("kvgate_kv_tier_demotions_total{tier=\"host\"}") > 0.0);
+        let (got, cached) = gated_ask(&e, "initech", &prompt, &[]);
+        assert_eq!((got.as_str(), cached), (want.as_str(), 0), "host tier");
+        let (got, cached) = gated_ask(&e, "acme", &prompt, &[]);
+        assert_eq!(got, want);
+        assert!(cached >= 176, "the owner got only {cached} tokens back");
+        want
+        // Stopping persists every scope's blocks to disk.
+    };
+    assert!(kvb_files(dir.path()).len() >= 12, "nothing was persisted");
+    let e = gated_engine(&kv);
+    let (got, cached) = gated_ask(&e, "umbrella", &prompt, &[]);
+    assert_eq!((got.as_str(), cached), (want.as_str(), 0), "disk tier");
+    let (got, cached) = gated_ask(&e, "acme", &prompt, &[]);
+    assert_eq!(got, want);
+    assert!(
+        cached >= 176,
+        "the owner got only {cached} tokens back from disk"
+    );
+}
+
+/// A disk that fills up turns the disk tier off, with its gauge at 0 (the alert's signal), and
+/// nothing else: requests keep their outputs, the host tier goes on, a flush still answers.
+/// The disk is a 2 MiB tmpfs (`KVGATE_TEST_FULL_DISK`, which scripts/test mounts): a real
+/// ENOSPC after two blocks, far under the tier's configured 1 GiB.
+#[test]
+fn a_full_disk_turns_the_tier_off_and_nothing_else() {
+    let Ok(mount) = std::env::var("KVGATE_TEST_FULL_DISK") else {
+        eprintln!("SKIPPED: set KVGATE_TEST_FULL_DISK to a small tmpfs (scripts/test mounts one)");
+        return;
+    };
+    let dir = Path::new(&mount).join(format!("run-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = format!(
+        "[kv]\nblocks = 20\nhost_cache_blocks = 16\nhash_seed = \"{SEED}\"\n\
+         disk_dir = {:?}\ndisk_bytes = 1073741824",
+        dir.display().to_string()
+    );
+    let prompt = long_prompt("rivers");
+    let e = Engine::start(&config);
+    assert_eq!(e.metric("kvgate_kv_tier_disk_up "), 1.0);
+    let (want, _) = ask(&e, &prompt);
+    // Three prompts of 13 blocks through a 20-block pool and a 16-block host tier: blocks spill
+    // to disk, and the third file does not fit.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    for topic in ["volcanoes", "glaciers", "deserts", "forests"] {
+        ask(&e, &long_prompt(topic));
+        if e.metric("kvgate_kv_tier_disk_up ") == 0.0 {
+            break;
+        }
+    }
+    while e.metric("kvgate_kv_tier_disk_up ") != 0.0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(
+        e.metric("kvgate_kv_tier_disk_up "),
+        0.0,
+        "a full disk must turn the tier off"
+    );
+    // The engine goes on: the same output, the host tier still serving, a flush answering.
+    let (again, _) = ask(&e, &prompt);
+    assert_eq!(again, want);
+    let r = e.admin("GET", "/admin/status", "");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = e.admin("POST", "/admin/cache/flush", "");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let health = kvgate_tests::request(e.addr, "GET", "/health", &[], "");
+    assert_eq!(health.status, 200);
+    drop(e);
+    let _ = std::fs::remove_dir_all(&dir);
 }
