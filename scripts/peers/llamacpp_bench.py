@@ -8,6 +8,7 @@ import statistics
 import sys
 import time
 
+import llama_cpp
 from llama_cpp import Llama
 
 path, label = sys.argv[1], sys.argv[2]
@@ -39,5 +40,7 @@ result = {
     "weights": label,
     "decode_tok_s": statistics.median(decode() for _ in range(3)),
     "prefill_512_tok_s": statistics.median(prefill() for _ in range(3)),
+    # The CPU features this build uses (a native build lists AVX512 and the like).
+    "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
 }
 print(json.dumps(result))
