@@ -34,7 +34,7 @@ pub struct Gateway {
     pub background: tokio::runtime::Handle,
     /// Rate-limit releases on their way to the store: stopping waits for them, so a request
     /// answered before a graceful stop is charged and its slot given back.
-    pub pending_releases: std::sync::atomic::AtomicUsize,
+    pub pending_releases: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -82,7 +82,7 @@ impl Gateway {
             }),
             max_prompt_bytes: max_prompt_bytes(&renderer, config.context_tokens()),
             background: tokio::runtime::Handle::current(),
-            pending_releases: std::sync::atomic::AtomicUsize::new(0),
+            pending_releases: Arc::default(),
             hasher: PromptHasher::new(renderer, hasher),
             auth: Auth::new(
                 store.clone(),
@@ -202,8 +202,6 @@ impl Gateway {
         Ok(here || stored)
     }
 
-    /// Stops following every engine (health checks, KV event streams), for shutdown: an engine
-    /// shutting down gracefully waits for the event stream's connection to close.
     /// Waits up to `limit` for the rate-limit releases still on their way to the store.
     pub async fn settle_releases(&self, limit: std::time::Duration) {
         let deadline = tokio::time::Instant::now() + limit;
@@ -217,6 +215,8 @@ impl Gateway {
         }
     }
 
+    /// Stops following every engine (health checks, KV event streams), for shutdown: an engine
+    /// shutting down gracefully waits for the event stream's connection to close.
     pub fn stop_following(&self) {
         for e in self.registry.all() {
             self.registry.remove(&e.name);

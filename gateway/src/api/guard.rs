@@ -11,7 +11,7 @@
 use crate::state::Gateway;
 use crate::tenant::RateLimits;
 use crate::upstream::Engine;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -113,14 +113,14 @@ impl Lease {
         let (gw, tenant, id) = (self.gw.clone(), self.tenant.clone(), self.id.clone());
         let (limits, owed) = (self.limits, self.owed);
         // Counted from now (not from when the task first runs), so a stop that begins in
-        // between still waits for it.
-        gw.pending_releases.fetch_add(1, Ordering::SeqCst);
+        // between still waits for it; uncounted when the task ends or is dropped unfinished.
+        let pending = PendingRelease::start(&gw.pending_releases);
         Some(self.gw.background.spawn(async move {
+            let _pending = pending;
             if let Err(e) = gw.store.release(&tenant, limits, &id, owed).await {
                 gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %e, "rate-limit release failed; the lease will lapse");
             }
-            gw.pending_releases.fetch_sub(1, Ordering::SeqCst);
         }))
     }
 }
@@ -128,6 +128,23 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         let _ = self.start_release();
+    }
+}
+
+/// A release on its way to the store, counted in [`Gateway::pending_releases`] (which a graceful
+/// stop waits on) from its start until it is dropped: done, failed, or its task cancelled.
+struct PendingRelease(Arc<AtomicUsize>);
+
+impl PendingRelease {
+    fn start(count: &Arc<AtomicUsize>) -> PendingRelease {
+        count.fetch_add(1, Ordering::SeqCst);
+        PendingRelease(count.clone())
+    }
+}
+
+impl Drop for PendingRelease {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -213,5 +230,29 @@ impl Drop for Outcome {
         m.request(&self.tenant, self.status.unwrap_or(CLIENT_CLOSED));
         m.request_duration
             .observe(self.start.elapsed().as_secs_f64());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A release whose task is cancelled before the store answers is uncounted all the same, so
+    /// a graceful stop never waits for it.
+    #[tokio::test]
+    async fn a_cancelled_release_is_uncounted() {
+        let count = Arc::new(AtomicUsize::new(0));
+        let pending = PendingRelease::start(&count);
+        let done = PendingRelease::start(&count);
+        assert_eq!(count.load(Ordering::SeqCst), 2);
+        let stuck = tokio::spawn(async move {
+            let _pending = pending;
+            std::future::pending::<()>().await;
+        });
+        tokio::spawn(async move { drop(done) }).await.unwrap();
+        assert_eq!(count.load(Ordering::SeqCst), 1);
+        stuck.abort();
+        assert!(stuck.await.unwrap_err().is_cancelled());
+        assert_eq!(count.load(Ordering::SeqCst), 0);
     }
 }
