@@ -340,6 +340,23 @@ def gateway():
     L.add("Authentication failures /s",
           [q(f"sum by (instance) (rate(kvgate_gateway_auth_failures_total{{{ENGINE}}}{RATE}))")],
           unit="reqps", description="Requests with a missing, unknown or revoked API key.")
+    L.add("Monthly budget used by tenant",
+          [q(f"max by (tenant, budget) (kvgate_gateway_budget_used_ratio{{{TENANT}}})",
+             "{{tenant}} {{budget}}")],
+          unit="percentunit", minmax=(0, 1.2),
+          description="Share of each monthly budget used (tenant, or key:ID). 80% and 100% "
+          "alert (KvgateBudgetNearlyUsed, KvgateBudgetUsedUp); at 100% requests get 429 "
+          "insufficient_quota.")
+    L.add("Budget refusals /s by tenant",
+          [q(f"sum by (tenant) (rate(kvgate_gateway_budget_refused_total{{{TENANT}}}{RATE}))",
+             "{{tenant}}")], unit="reqps")
+    L.add("Usage ledger",
+          [q(f"sum(rate(kvgate_gateway_usage_records_total{{{ENGINE}}}{RATE}))", "written /s"),
+           q(f"sum(rate(kvgate_gateway_usage_records_dropped_total{{{ENGINE}}}{RATE}))",
+             "dropped /s"),
+           q(f"sum(kvgate_gateway_usage_records_pending{{{ENGINE}}})", "waiting")],
+          unit="short", description="Records written to the store, waiting for it (the store "
+          "is slow or down), and dropped once the gateway's buffer of 50,000 is full.")
     return dashboard("kvgate-gateway", "kvgate / Gateway",
                      "Gateway traffic, latency, routing and engine health.", L,
                      "kvgate_gateway_engine_up", "kvgate_gateway_requests_total", ["gateway"])

@@ -141,8 +141,10 @@ pub async fn serve_gateway(
     let _ = stop_tx.send(true);
     tokio::task::spawn_blocking(move || api.join()).await??;
     admin_task.await??;
-    // The last answers' rate-limit releases reach the store before the process goes.
+    // The last answers' rate-limit releases and usage records reach the store before the
+    // process goes.
     gw.settle_releases(std::time::Duration::from_secs(5)).await;
+    gw.settle_ledger(std::time::Duration::from_secs(5)).await;
     gw.stop_following();
     Ok(())
 }

@@ -9,6 +9,7 @@ mod generate_cmd;
 mod model_cmd;
 mod serve_cmd;
 mod sim_cmd;
+mod usage_sink;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -52,6 +53,8 @@ enum Command {
     Model(model_cmd::ModelCommand),
     /// KV memory simulator: paged against contiguous allocation on one workload.
     Sim(sim_cmd::SimArgs),
+    /// Copy the usage ledger from Redis into PostgreSQL (idempotent, acknowledged on commit).
+    UsageSink(usage_sink::UsageSinkArgs),
 }
 
 fn main() -> ExitCode {
@@ -66,6 +69,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate_cmd::run(args),
         Command::Model(cmd) => model_cmd::run(cmd),
         Command::Sim(args) => sim_cmd::run(args),
+        Command::UsageSink(args) => usage_sink::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

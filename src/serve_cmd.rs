@@ -11,7 +11,7 @@ use kvgate_engine::server::config::{AuthSection, EngineConfig, KvSection};
 use kvgate_engine::server::{self, launch};
 use kvgate_gateway::config::EngineEntry;
 use kvgate_gateway::store::MemoryStore;
-use kvgate_gateway::tenant::Tenant;
+use kvgate_gateway::tenant::{KeySpec, Tenant};
 use kvgate_gateway::{Gateway, GatewayConfig};
 use kvgate_protocol::openai::SamplingDefaults;
 use std::net::SocketAddr;
@@ -192,7 +192,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         };
         let gw = Gateway::start(config, Arc::new(MemoryStore::new()), renderer).await?;
         gw.store.put_tenant(&Tenant::new("default")).await?;
-        let (key, _) = gw.issue_key("default").await?;
+        let (key, _) = gw.issue_key("default", &KeySpec::default()).await?;
         gw.metrics
             .also_export(move || kvgate_engine::server::metrics::render(&engine_metrics));
         let banner = move |api, admin| banner(api, admin, &key, &operator_token);

@@ -12,7 +12,7 @@
 
 mod guard;
 
-use self::guard::{EngineLoad, Lease, Outcome};
+use self::guard::{Billed, EngineLoad, Lease, Outcome};
 use crate::auth::Principal;
 use crate::extensions::{BodyLimit, RequestId};
 use crate::routing::prefix::PromptHashes;
@@ -20,6 +20,7 @@ use crate::state::Gateway;
 use crate::store::Admission;
 use crate::upstream::proxy::{self, Forward, StreamEnd};
 use crate::upstream::{now_ms, Engine, RouteRequest, PEER_MIN_GAIN_BLOCKS};
+use crate::usage::{self, Prices};
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::header::{HeaderName, HeaderValue};
@@ -141,6 +142,22 @@ async fn generate(gw: Arc<Gateway>, req: Request<Incoming>, kind: Kind) -> Respo
         Ok(Err(e)) => return fail(&mut outcome, &e),
         Err(_) => return fail(&mut outcome, &ApiError::timeout()),
     };
+    // Admitted: from here on, however it ends, the request is in the ledger.
+    outcome.billed = Some(Billed {
+        request_id: request_id.to_string(),
+        key_id: p.key_id.clone(),
+        key_lineage: p.key.lineage.clone(),
+        model: gw.config.model_id.clone(),
+        prices: prices(&gw, &p),
+        engine: None,
+        // Counted once an engine answers: a request no engine took costs nothing.
+        prompt_tokens: 0,
+        cached_tokens: 0,
+        completion_tokens: 0,
+        finish_reason: None,
+        first_token: None,
+        broken: false,
+    });
     let to = Upstream {
         gw: &gw,
         p: &p,
@@ -380,46 +397,132 @@ fn inject_system_prompt(json: &mut serde_json::Value, system: &str) {
     }
 }
 
-/// The tenant's rate limits: admits the request and charges its prompt tokens, or refuses it.
-/// When the store cannot be reached, requests of already authenticated tenants go through
-/// (limits fail open) and the failure is counted.
+/// The prices a tenant pays for the model: its own, else the model's, else nothing.
+fn prices(gw: &Gateway, p: &Principal) -> Prices {
+    p.tenant
+        .prices
+        .or_else(|| gw.config.prices.get(&gw.config.model_id).copied())
+        .unwrap_or(Prices {
+            prompt: 0.0,
+            cached_prompt: None,
+            completion: 0.0,
+        })
+}
+
+/// The monthly budgets of the tenant and of its key: a request that would start past either is
+/// refused (429 `insufficient_quota`). Crossing 80% and 100% is logged and counted once per
+/// process. When the store cannot say, requests go through (budgets fail open, as the rate
+/// limits do) and the failure is counted.
+async fn check_budgets(gw: &Gateway, p: &Principal) -> Result<(), ApiError> {
+    let budgets = [("tenant", p.tenant.budget), ("key", p.key.budget)];
+    if budgets.iter().all(|(_, b)| b.is_none()) {
+        return Ok(());
+    }
+    let now = crate::tenant::unix_now();
+    let month = usage::month_of(now);
+    let spent = gw.store.spent(&p.tenant.id, &month, p.key.lineage()).await;
+    let (tenant_spent, key_spent) = match spent {
+        Ok(s) => s,
+        Err(e) => {
+            gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
+            gw.metrics
+                .budget_check_failures
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, "budget check unavailable; admitting");
+            return Ok(());
+        }
+    };
+    for (level, budget) in budgets {
+        let Some(budget) = budget else { continue };
+        let (spent, label, whose) = if level == "tenant" {
+            (
+                tenant_spent,
+                "tenant".to_owned(),
+                format!("tenant '{}'", p.tenant.id),
+            )
+        } else {
+            (
+                key_spent,
+                format!("key:{}", p.key_id),
+                format!("key '{}'", p.key_id),
+            )
+        };
+        if let Some(ratio) = budget.used(spent) {
+            gw.budget_used(&p.tenant.id, &label, &month, ratio);
+        }
+        if let Some(what) = budget.exhausted(spent) {
+            gw.metrics.budget_refused(&p.tenant.id);
+            return Err(ApiError::budget_exceeded(format!(
+                "The monthly budget of {whose} is used up ({what} this month); it renews on {}.",
+                usage::next_month_start(now)
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The budgets, then the rate limits of the tenant and of its key: admits the request and
+/// charges its prompt tokens, or refuses it. When the store cannot be reached, requests of
+/// already authenticated tenants go through (limits fail open) and the failure is counted.
+///
+/// The key's limits are checked first; a request they admit and the tenant's then refuse
+/// still counts against the key's (never against another tenant's).
 async fn admit(
     gw: &Arc<Gateway>,
     p: &Principal,
     prompt_tokens: u64,
 ) -> Result<Option<Lease>, ApiError> {
-    let limits = p.tenant.rate_limits();
-    if limits == Default::default() {
+    check_budgets(gw, p).await?;
+    let unlimited = crate::tenant::RateLimits::default();
+    let buckets: Vec<(String, crate::tenant::RateLimits)> = [
+        (p.key.bucket(), p.key.rate_limits()),
+        (p.tenant.id.clone(), p.tenant.rate_limits()),
+    ]
+    .into_iter()
+    .filter(|(_, l)| *l != unlimited)
+    .collect();
+    if buckets.is_empty() {
         return Ok(None);
     }
     let id = Lease::new_id();
-    let adm = Admission {
-        tenant: &p.tenant.id,
-        limits,
-        lease: &id,
-        lease_ms: guard::LEASE.as_millis() as u64,
-        tokens: prompt_tokens,
-    };
-    match gw.store.admit(adm).await {
-        Ok(Ok(())) => Ok(Some(Lease::held(gw, &p.tenant.id, limits, id))),
-        Ok(Err(refusal)) => {
-            gw.metrics.ratelimited(&p.tenant.id);
-            let secs = refusal.retry_after_ms().div_ceil(1000).max(1);
-            Err(ApiError::rate_limited(
-                format!(
-                    "Rate limit reached for {}: try again in {secs} s.",
-                    refusal.what()
-                ),
-                secs,
-            ))
-        }
-        Err(e) => {
-            gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(error = %e, "rate limiter unavailable; admitting");
-            // The store may have taken the lease before it failed: release it all the same.
-            Ok(Some(Lease::held(gw, &p.tenant.id, limits, id)))
+    let mut admitted = Vec::with_capacity(buckets.len());
+    for (bucket, limits) in buckets {
+        let adm = Admission {
+            tenant: &bucket,
+            limits,
+            lease: &id,
+            lease_ms: guard::LEASE.as_millis() as u64,
+            tokens: prompt_tokens,
+        };
+        match gw.store.admit(adm).await {
+            Ok(Ok(())) => admitted.push((bucket, limits)),
+            Ok(Err(refusal)) => {
+                // The buckets that admitted it get their slots back.
+                drop(Lease::held(gw, admitted, id));
+                gw.metrics.ratelimited(&p.tenant.id);
+                let secs = refusal.retry_after_ms().div_ceil(1000).max(1);
+                let whose = if bucket == p.tenant.id {
+                    String::new()
+                } else {
+                    format!(" of key '{}'", p.key_id)
+                };
+                return Err(ApiError::rate_limited(
+                    format!(
+                        "Rate limit reached for {}{whose}: try again in {secs} s.",
+                        refusal.what()
+                    ),
+                    secs,
+                ));
+            }
+            Err(e) => {
+                gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, "rate limiter unavailable; admitting");
+                // The store may have taken the lease before it failed: release it all the same.
+                admitted.push((bucket, limits));
+            }
         }
     }
+    Ok(Some(Lease::held(gw, admitted, id)))
 }
 
 /// Names the engine that answered (`x-kvgate-engine`), for operators and tests.
@@ -565,6 +668,16 @@ async fn forward(
                                 .saturating_sub(prepared.hashes.prompt_tokens as u64),
                     );
                 }
+                if let Some(b) = outcome.billed.as_mut() {
+                    b.engine = Some(engine.name.clone());
+                    b.first_token = Some(Instant::now());
+                    if let Some(u) = usage {
+                        b.prompt_tokens = u.prompt;
+                        b.cached_tokens = u.cached;
+                        b.completion_tokens = u.completion;
+                    }
+                    b.finish_reason = proxy::finish_reason(&body).map(str::to_owned);
+                }
                 outcome.status = Some(status.as_u16());
                 // Back before the answer goes out: the tenant's next request finds its slot.
                 if let Some(l) = lease.take() {
@@ -582,6 +695,9 @@ async fn forward(
             } => {
                 engine.record_success();
                 outcome.status = Some(status.as_u16());
+                if let Some(b) = outcome.billed.as_mut() {
+                    b.engine = Some(engine.name.clone());
+                }
                 let held = Held {
                     load,
                     lease: lease.take(),
@@ -641,6 +757,23 @@ impl Held {
         }
         if end == StreamEnd::ClientGone {
             self.outcome.status = Some(guard::CLIENT_CLOSED);
+        }
+        if let Some(b) = self.outcome.billed.as_mut() {
+            // What was served: the engine's final usage when it got that far, else the prompt
+            // as counted here and the tokens relayed.
+            match served.usage {
+                Some(u) => {
+                    b.prompt_tokens = u.prompt;
+                    b.cached_tokens = u.cached;
+                }
+                None => b.prompt_tokens = self.prompt_charged,
+            }
+            // Billed as the engine counted when it reported (the relayed chunks include the
+            // last one, which carries only the finish reason), else the chunks relayed.
+            b.completion_tokens = served.usage.map_or(served.chunks, |u| u.completion);
+            b.finish_reason = served.finish_reason.map(str::to_owned);
+            b.first_token = served.first_chunk;
+            b.broken = end == StreamEnd::Broken;
         }
         if let Some(l) = self.lease.as_mut() {
             let prompt_extra = served

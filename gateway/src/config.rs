@@ -29,6 +29,10 @@
 //! [[engines]]
 //! name = "engine-0"
 //! url = "http://127.0.0.1:8081"
+//! [prices."smollm2-135m-instruct"]   # USD per million tokens, per model (a tenant's own
+//! prompt = 0.10                      # `prices` win); cached prompt tokens priced apart
+//! cached_prompt = 0.02               # (default: the prompt price)
+//! completion = 0.40
 //! ```
 
 use serde::Deserialize;
@@ -94,6 +98,9 @@ pub struct GatewayConfig {
     pub routing: RoutingSection,
     #[serde(default)]
     pub engines: Vec<EngineEntry>,
+    /// Model id -> prices (the ledger's costs and cost budgets); a model with none costs 0.
+    #[serde(default)]
+    pub prices: std::collections::BTreeMap<String, crate::usage::Prices>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -216,6 +223,13 @@ impl GatewayConfig {
         if !(self.routing.load_factor >= 1.0 && self.routing.load_factor.is_finite()) {
             return Err("routing.load_factor: must be >= 1".into());
         }
+        for (model, p) in &self.prices {
+            if let Some(f) = p.invalid_field() {
+                return Err(format!(
+                    "prices.{model}.{f}: must be a finite price >= 0 (USD per million tokens)"
+                ));
+            }
+        }
         if self.pepper.as_deref().is_some_and(|p| p.len() < 16) {
             return Err("pepper: must be at least 16 characters".into());
         }
@@ -306,6 +320,7 @@ impl std::fmt::Debug for GatewayConfig {
             .field("key_cache_ttl_secs", &self.key_cache_ttl_secs)
             .field("routing", &self.routing)
             .field("engines", &self.engines)
+            .field("prices", &self.prices)
             .finish()
     }
 }

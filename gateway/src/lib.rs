@@ -16,6 +16,7 @@
 
 pub mod admin;
 pub mod api;
+pub mod audit;
 pub mod auth;
 pub mod config;
 pub mod extensions;
@@ -27,6 +28,7 @@ pub mod state;
 pub mod store;
 pub mod tenant;
 pub mod upstream;
+pub mod usage;
 
 pub use config::GatewayConfig;
 pub use state::{Gateway, StartError};

@@ -68,6 +68,16 @@ pub struct Metrics {
     engine_up: Family,
     engine_inflight: Family,
     engine_draining: Family,
+    /// Share of a monthly budget used, by tenant and budget (`tenant` or `key:{id}`).
+    budget_used: Family,
+    /// Budget thresholds (80, 100 percent) crossed, by tenant, budget and percent.
+    budget_alerts: Family,
+    budget_refused: Family,
+    pub budget_check_failures: AtomicU64,
+    /// The usage ledger: records written to the store, dropped (buffer full), waiting.
+    pub ledger_written: AtomicU64,
+    pub ledger_dropped: AtomicU64,
+    pub ledger_pending: AtomicU64,
     pub auth_failures: AtomicU64,
     pub store_errors: AtomicU64,
     pub request_duration: Histogram,
@@ -95,6 +105,13 @@ impl Default for Metrics {
             engine_up: Family::default(),
             engine_inflight: Family::default(),
             engine_draining: Family::default(),
+            budget_used: Family::default(),
+            budget_alerts: Family::default(),
+            budget_refused: Family::default(),
+            budget_check_failures: AtomicU64::new(0),
+            ledger_written: AtomicU64::new(0),
+            ledger_dropped: AtomicU64::new(0),
+            ledger_pending: AtomicU64::new(0),
             auth_failures: AtomicU64::new(0),
             store_errors: AtomicU64::new(0),
             request_duration: Histogram::new(LATENCY),
@@ -120,6 +137,22 @@ impl Metrics {
 
     pub fn ratelimited(&self, tenant: &str) {
         self.ratelimited.add(&[tenant], 1.0);
+    }
+
+    /// How much of a monthly budget is used (1.0: all of it), as last seen at an admission.
+    pub fn budget_used(&self, tenant: &str, budget: &str, ratio: f64) {
+        self.budget_used.set(&[tenant, budget], ratio);
+    }
+
+    /// A budget crossed `percent` (80 or 100) this month.
+    pub fn budget_alert(&self, tenant: &str, budget: &str, percent: u8) {
+        self.budget_alerts
+            .add(&[tenant, budget, &percent.to_string()], 1.0);
+    }
+
+    /// A request refused because a budget was used up.
+    pub fn budget_refused(&self, tenant: &str) {
+        self.budget_refused.add(&[tenant], 1.0);
     }
 
     /// Engine gauges, refreshed before each scrape.
@@ -198,7 +231,50 @@ impl Metrics {
             "Requests refused by a tenant's rate limits.",
             &["tenant"],
         );
+        self.budget_used.render(
+            &mut out,
+            "kvgate_gateway_budget_used_ratio",
+            "gauge",
+            "Share of a monthly budget used (1 = all), by tenant and budget (tenant or key:ID).",
+            &["tenant", "budget"],
+        );
+        self.budget_alerts.render(
+            &mut out,
+            "kvgate_gateway_budget_alerts_total",
+            "counter",
+            "Monthly budgets crossing 80% and 100%, by tenant, budget and percent.",
+            &["tenant", "budget", "percent"],
+        );
+        self.budget_refused.render(
+            &mut out,
+            "kvgate_gateway_budget_refused_total",
+            "counter",
+            "Requests refused because a monthly budget was used up.",
+            &["tenant"],
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kvgate_gateway_usage_records_pending Usage records waiting for the store.\n\
+             # TYPE kvgate_gateway_usage_records_pending gauge\n\
+             kvgate_gateway_usage_records_pending {}",
+            self.ledger_pending.load(Ordering::Relaxed)
+        );
         for (name, help, v) in [
+            (
+                "kvgate_gateway_usage_records_total",
+                "Usage records written to the store.",
+                &self.ledger_written,
+            ),
+            (
+                "kvgate_gateway_usage_records_dropped_total",
+                "Usage records dropped because the ledger's buffer was full (the store was down).",
+                &self.ledger_dropped,
+            ),
+            (
+                "kvgate_gateway_budget_check_failures_total",
+                "Budget checks the store could not answer (the request was admitted).",
+                &self.budget_check_failures,
+            ),
             (
                 "kvgate_gateway_auth_failures_total",
                 "Requests with a missing, wrong or revoked API key.",

@@ -285,6 +285,11 @@ where
                             "Missing API key: send it as 'Authorization: Bearer kvg_...'.",
                         ),
                         AuthError::Invalid => ApiError::unauthorized("Incorrect API key provided."),
+                        AuthError::Expired(at) => ApiError::unauthorized(format!(
+                            "The API key expired on {} (unix time {at}); use its successor or \
+                             ask the operator for a new key.",
+                            crate::usage::day_of(at)
+                        )),
                         AuthError::Unavailable => ApiError::unavailable(
                             "The key store is unavailable; try again shortly.",
                         ),

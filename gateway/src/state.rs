@@ -2,17 +2,20 @@
 //! KV-event tasks, the registry sync between replicas. Handlers ([`crate::api`],
 //! [`crate::admin`]) and the tower stack ([`crate::service`]) read it; [`crate::server`] serves it.
 
-use crate::auth::Auth;
+use crate::auth::{Auth, Operators};
 use crate::config::GatewayConfig;
 use crate::metrics::Metrics;
 use crate::routing::prefix::PromptHasher;
 use crate::routing::{Router, RouterConfig};
 use crate::store::{Store, StoreError};
-use crate::tenant::{generate_key, generate_key_id, unix_now, EngineRecord, KeyRecord};
+use crate::tenant::{generate_key, unix_now, EngineRecord, KeyRecord, KeySpec};
 use crate::upstream::{self, events, health, Engine, HttpClient, Registry, RegistryError};
+use crate::usage::Ledger;
 use kvgate_protocol::prompt::PromptRenderer;
 use kvgate_protocol::{BlockHasher, HashParams};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::sync::Weak;
 use std::time::Duration;
 
 /// Everything the handlers share.
@@ -35,6 +38,13 @@ pub struct Gateway {
     /// Rate-limit releases on their way to the store: stopping waits for them, so a request
     /// answered before a graceful stop is charged and its slot given back.
     pub pending_releases: Arc<std::sync::atomic::AtomicUsize>,
+    /// Usage records on their way to the store (a graceful stop waits for them too).
+    pub ledger: Arc<Ledger>,
+    /// Named operator tokens, verified against the store (the admin API's callers).
+    pub operators: Operators,
+    /// Budget thresholds this process has announced (tenant or key, month, percent), so each
+    /// is logged and counted once.
+    pub budget_alerts: std::sync::Mutex<std::collections::HashSet<(String, String, u8)>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -83,6 +93,9 @@ impl Gateway {
             max_prompt_bytes: max_prompt_bytes(&renderer, config.context_tokens()),
             background: tokio::runtime::Handle::current(),
             pending_releases: Arc::default(),
+            ledger: Arc::default(),
+            operators: Operators::new(store.clone(), &pepper, config.operator_token.clone()),
+            budget_alerts: Default::default(),
             hasher: PromptHasher::new(renderer, hasher),
             auth: Auth::new(
                 store.clone(),
@@ -107,6 +120,7 @@ impl Gateway {
         if gw.config.redis.is_some() {
             tokio::spawn(sync_engines(Arc::downgrade(&gw)));
         }
+        tokio::spawn(write_ledger(Arc::downgrade(&gw), gw.ledger.clone()));
         let weak = Arc::downgrade(&gw);
         gw.store
             .follow_tenant_changes(Arc::new(move |tenant: Option<&str>| {
@@ -114,8 +128,12 @@ impl Gateway {
                     return false;
                 };
                 match tenant {
+                    Some(crate::auth::OPERATOR_TOKENS_CHANGED) => gw.operators.invalidate(),
                     Some(t) => gw.auth.invalidate_tenant(t),
-                    None => gw.auth.invalidate_all(),
+                    None => {
+                        gw.auth.invalidate_all();
+                        gw.operators.invalidate();
+                    }
                 }
                 true
             }));
@@ -177,18 +195,16 @@ impl Gateway {
         Ok(engine)
     }
 
-    /// Issues a new API key for `tenant` (which must exist): returns the key, to be shown once,
-    /// and the stored record (its hash only).
-    pub async fn issue_key(&self, tenant: &str) -> Result<(String, KeyRecord), StoreError> {
+    /// Issues a new API key for `tenant` (which must exist) as `spec` describes it: returns the
+    /// key, to be shown once, and the stored record (its hash only).
+    pub async fn issue_key(
+        &self,
+        tenant: &str,
+        spec: &KeySpec,
+    ) -> Result<(String, KeyRecord), StoreError> {
         let key = generate_key();
-        let rec = KeyRecord {
-            id: generate_key_id(),
-            tenant: tenant.to_owned(),
-            hash: self.auth.hash(&key),
-            prefix: key[..8].to_owned(),
-            created_at: unix_now(),
-            revoked: false,
-        };
+        let mut rec = KeyRecord::new(tenant, self.auth.hash(&key), &key[..8]);
+        spec.apply(&mut rec);
         self.store.put_key(&rec).await?;
         Ok((key, rec))
     }
@@ -211,6 +227,40 @@ impl Gateway {
             > 0
             && tokio::time::Instant::now() < deadline
         {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Notes how much of a budget is used (`budget`: `tenant` or `key:{id}`) and announces,
+    /// once per process and month, that it crossed 80% or 100%.
+    pub fn budget_used(&self, tenant: &str, budget: &str, month: &str, ratio: f64) {
+        self.metrics.budget_used(tenant, budget, ratio);
+        for percent in [80u8, 100] {
+            if ratio * 100.0 < f64::from(percent) {
+                continue;
+            }
+            let first = self
+                .budget_alerts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert((format!("{tenant}/{budget}"), month.to_owned(), percent));
+            if first {
+                self.metrics.budget_alert(tenant, budget, percent);
+                tracing::warn!(
+                    tenant,
+                    budget,
+                    percent,
+                    month,
+                    "monthly budget threshold reached"
+                );
+            }
+        }
+    }
+
+    /// Waits up to `limit` for the usage records still on their way to the store.
+    pub async fn settle_ledger(&self, limit: std::time::Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        while self.ledger.pending() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
     }
@@ -270,6 +320,51 @@ async fn sync_engines(gw: std::sync::Weak<Gateway>) {
                 gw.registry.remove(&e.name);
                 gw.metrics.forget_engine(&e.name);
                 tracing::info!(engine = %e.name, "engine removed by another gateway");
+            }
+        }
+    }
+}
+
+/// Drains `ledger` into the gateway's store until the gateway is gone, retrying a failed batch
+/// with backoff (100 ms doubling to 5 s); the records wait in the queue meanwhile.
+async fn write_ledger(gw: Weak<Gateway>, ledger: Arc<Ledger>) {
+    let mut pause = Duration::from_millis(100);
+    // A batch the store did not take, retried as it is, under its id, so that a batch the store
+    // took but whose answer was lost is recognised and not counted twice.
+    let mut held: Option<(String, Vec<crate::usage::UsageRecord>)> = None;
+    loop {
+        let (id, batch) = match held.take() {
+            Some(b) => b,
+            None => {
+                let batch = ledger.take_batch();
+                if batch.is_empty() {
+                    // Woken by a push (a push while nobody waits leaves a permit); the timeout
+                    // lets the task notice that the gateway is gone.
+                    let wake = ledger.wake.notified();
+                    let _ = tokio::time::timeout(Duration::from_secs(1), wake).await;
+                    if gw.strong_count() == 0 {
+                        return;
+                    }
+                    continue;
+                }
+                (crate::usage::record_id(), batch)
+            }
+        };
+        let Some(g) = gw.upgrade() else { return };
+        let n = batch.len() as u64;
+        match g.store.record_usage(&id, &batch).await {
+            Ok(()) => {
+                ledger.written.fetch_add(n, Ordering::Relaxed);
+                ledger.in_flight.fetch_sub(n, Ordering::SeqCst);
+                pause = Duration::from_millis(100);
+            }
+            Err(e) => {
+                g.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, records = n, "usage ledger write failed; will retry");
+                held = Some((id, batch));
+                drop(g);
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
             }
         }
     }

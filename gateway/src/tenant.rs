@@ -1,7 +1,9 @@
 //! Tenants, API keys and engine records: what the store keeps.
 
+use crate::usage::{Budget, Prices};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
 
 /// One customer of the service. Every limit is optional; `None` means unlimited.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -31,6 +33,12 @@ pub struct Tenant {
     /// Prepended to chat requests that carry no system message.
     #[serde(default)]
     pub system_prompt: Option<String>,
+    /// Prices for this tenant, in place of the model's (USD per million tokens).
+    #[serde(default)]
+    pub prices: Option<Prices>,
+    /// The tenant's monthly budget, across all its keys.
+    #[serde(default)]
+    pub budget: Option<Budget>,
     /// Unix seconds.
     #[serde(default)]
     pub created_at: u64,
@@ -54,6 +62,8 @@ impl Tenant {
             priority: 1,
             allowed_models: Vec::new(),
             system_prompt: None,
+            prices: None,
+            budget: None,
             created_at: unix_now(),
         }
     }
@@ -142,6 +152,235 @@ pub struct KeyRecord {
     pub created_at: u64,
     #[serde(default)]
     pub revoked: bool,
+    /// What the operator calls it (`ci`, `prod-eu`); empty when unnamed.
+    #[serde(default)]
+    pub name: String,
+    /// Free-form labels (team, environment), for the operator's own bookkeeping.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Unix seconds after which the key is refused (401, "expired"); `None`: never.
+    #[serde(default)]
+    pub expires_at: Option<u64>,
+    /// This key's own limits, on top of its tenant's (both must admit a request).
+    #[serde(default)]
+    pub requests_per_min: Option<u32>,
+    #[serde(default)]
+    pub tokens_per_min: Option<u64>,
+    /// This key's own monthly budget, within its tenant's.
+    #[serde(default)]
+    pub budget: Option<Budget>,
+    /// The key that replaced this one (`keys rotate`); this one works until `expires_at`.
+    #[serde(default)]
+    pub rotated_to: Option<String>,
+    /// The first key of this key's rotation chain (`None`: this key): a chain shares one
+    /// monthly budget.
+    #[serde(default)]
+    pub lineage: Option<String>,
+    /// Last time the key was used, unix seconds (kept at most once a minute; filled in by the
+    /// store's listing).
+    #[serde(default)]
+    pub last_used_at: Option<u64>,
+}
+
+impl KeyRecord {
+    /// A new, unnamed key record with no limits of its own.
+    pub fn new(tenant: &str, hash: KeyHash, prefix: &str) -> KeyRecord {
+        KeyRecord {
+            id: generate_key_id(),
+            tenant: tenant.to_owned(),
+            hash,
+            prefix: prefix.to_owned(),
+            created_at: unix_now(),
+            revoked: false,
+            name: String::new(),
+            labels: BTreeMap::new(),
+            expires_at: None,
+            requests_per_min: None,
+            tokens_per_min: None,
+            budget: None,
+            rotated_to: None,
+            lineage: None,
+            last_used_at: None,
+        }
+    }
+
+    /// The id its budget is counted under: the first key of its rotation chain.
+    pub fn lineage(&self) -> &str {
+        self.lineage.as_deref().unwrap_or(&self.id)
+    }
+
+    /// Whether the key has expired at `now` (unix seconds).
+    pub fn expired(&self, now: u64) -> bool {
+        self.expires_at.is_some_and(|at| at <= now)
+    }
+
+    /// The key's own limits (never a concurrency limit: that is the tenant's).
+    pub fn rate_limits(&self) -> RateLimits {
+        RateLimits {
+            requests_per_min: self.requests_per_min,
+            tokens_per_min: self.tokens_per_min,
+            max_concurrent: None,
+        }
+    }
+
+    /// The rate-limit bucket of this key's own limits (`{tenant}:key:{id}`: a tenant id has no
+    /// `:`, so it never names a tenant's bucket).
+    pub fn bucket(&self) -> String {
+        format!("{}:key:{}", self.tenant, self.id)
+    }
+}
+
+/// What an operator sets on a key (issue, update; a rotation copies it to the successor).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeySpec {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub labels: Option<BTreeMap<String, String>>,
+    /// Unix seconds.
+    #[serde(default)]
+    pub expires_at: Option<u64>,
+    /// Seconds from now (instead of `expires_at`).
+    #[serde(default)]
+    pub expires_in_secs: Option<u64>,
+    #[serde(default)]
+    pub requests_per_min: Option<u32>,
+    #[serde(default)]
+    pub tokens_per_min: Option<u64>,
+    #[serde(default)]
+    pub budget: Option<Budget>,
+}
+
+impl KeySpec {
+    /// The spec of an existing key (what its successor inherits).
+    pub fn of(k: &KeyRecord) -> KeySpec {
+        KeySpec {
+            name: Some(k.name.clone()),
+            labels: Some(k.labels.clone()),
+            expires_at: None,
+            expires_in_secs: None,
+            requests_per_min: k.requests_per_min,
+            tokens_per_min: k.tokens_per_min,
+            budget: k.budget,
+        }
+    }
+
+    /// The first field that is wrong, and why (a 400 names it).
+    pub fn invalid(&self) -> Option<(String, String)> {
+        if let Some(n) = &self.name {
+            if n.len() > 64 || n.chars().any(char::is_control) {
+                return Some((
+                    "name".into(),
+                    "A key name is at most 64 printable characters.".into(),
+                ));
+            }
+        }
+        if let Some(labels) = &self.labels {
+            if labels.len() > 32 {
+                return Some(("labels".into(), "A key has at most 32 labels.".into()));
+            }
+            for (k, v) in labels {
+                if k.is_empty() || k.len() > 64 || v.len() > 256 {
+                    return Some((
+                        format!("labels.{}", k.chars().take(64).collect::<String>()),
+                        "A label's name is 1-64 characters and its value at most 256.".into(),
+                    ));
+                }
+            }
+        }
+        if self.expires_at.is_some() && self.expires_in_secs.is_some() {
+            return Some((
+                "expires_in_secs".into(),
+                "Give expires_at or expires_in_secs, not both.".into(),
+            ));
+        }
+        if let Some(f) = self.budget.as_ref().and_then(Budget::invalid_field) {
+            return Some((
+                format!("budget.{f}"),
+                "A budget is a finite, non-negative amount.".into(),
+            ));
+        }
+        None
+    }
+
+    /// Sets the fields this spec names on `rec` (a `PATCH`: the others stay).
+    pub fn apply(&self, rec: &mut KeyRecord) {
+        if let Some(n) = &self.name {
+            rec.name = n.clone();
+        }
+        if let Some(l) = &self.labels {
+            rec.labels = l.clone();
+        }
+        if let Some(at) = self.expires_at {
+            rec.expires_at = Some(at);
+        }
+        if let Some(secs) = self.expires_in_secs {
+            rec.expires_at = Some(unix_now().saturating_add(secs));
+        }
+        if self.requests_per_min.is_some() {
+            rec.requests_per_min = self.requests_per_min;
+        }
+        if self.tokens_per_min.is_some() {
+            rec.tokens_per_min = self.tokens_per_min;
+        }
+        if self.budget.is_some() {
+            rec.budget = self.budget;
+        }
+    }
+}
+
+/// What an operator token may do on the admin API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Everything.
+    Admin,
+    /// Reads, plus drain, undrain and cache flush; not tenants, keys, engines or tokens.
+    Operator,
+    /// Reads only.
+    Viewer,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Admin => "admin",
+            Role::Operator => "operator",
+            Role::Viewer => "viewer",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Role> {
+        match s {
+            "admin" => Some(Role::Admin),
+            "operator" => Some(Role::Operator),
+            "viewer" => Some(Role::Viewer),
+            _ => None,
+        }
+    }
+}
+
+/// A named operator token: its hash, never the token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OperatorToken {
+    /// Unique name (`[a-z0-9_-]{1,64}`), shown in the audit log.
+    pub name: String,
+    pub role: Role,
+    pub hash: KeyHash,
+    /// The first characters of the token (`kvo_AbCd`).
+    pub prefix: String,
+    pub created_at: u64,
+    #[serde(default)]
+    pub revoked: bool,
+}
+
+/// A new operator token: `kvo_` + 32 random bytes in base62.
+pub fn generate_operator_token() -> String {
+    use rand::RngCore;
+    let mut bytes = [0u8; 32];
+    rand::rngs::OsRng.fill_bytes(&mut bytes);
+    format!("kvo_{}", base62(&bytes))
 }
 
 /// An engine in the registry.

@@ -142,6 +142,52 @@ fn two_gateways_share_one_rate_limit() {
         assert_eq!(r.json()["error"]["code"], "rate_limit_exceeded");
     }
 
+    // The ledger has each admitted request (each ended in 503: no engine), whichever replica
+    // took it, and the CLI reads it as CSV; the audit log lists what the CLI did.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let csv = run(
+            &["admin", "usage", "--tenant", "lim", "--format", "csv"],
+            &env,
+        );
+        let rows: Vec<&str> = csv.lines().collect();
+        assert_eq!(
+            rows[0],
+            "tenant,requests,prompt_tokens,cached_tokens,completion_tokens,cost_usd"
+        );
+        if rows
+            .get(1)
+            .is_some_and(|r| r.starts_with(&format!("lim,{admitted},")))
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{csv}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let audit = run(&["admin", "audit"], &env);
+    for want in ["tenant.create", "key.issue", "tenant:lim", "bootstrap"] {
+        assert!(audit.contains(want), "{want} in {audit}");
+    }
+    let issued: serde_json::Value = serde_json::from_str(&run(
+        &["admin", "tokens", "issue", "grafana", "--role", "viewer"],
+        &env,
+    ))
+    .unwrap();
+    let viewer = issued["token"].as_str().unwrap();
+    let as_viewer = [
+        ("KVGATE_ADMIN_URL", admin_url.as_str()),
+        ("KVGATE_OPERATOR_TOKEN", viewer),
+    ];
+    let listed = run(&["admin", "tenants", "list"], &as_viewer);
+    assert!(listed.contains("\"lim\""), "{listed}");
+    let out = kvgate()
+        .args(["admin", "tenants", "create", "nope"])
+        .envs(as_viewer)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("403"), "{stderr}");
+
     // The admin CLI sees what the replicas share.
     let listed = run(&["admin", "tenants", "list"], &env);
     assert!(listed.contains("\"lim\""), "{listed}");

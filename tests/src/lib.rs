@@ -4,6 +4,7 @@
 //! client would.
 
 pub mod gateway;
+pub mod postgres;
 pub mod redis;
 
 use kvgate_engine::model::gguf::import_gguf;

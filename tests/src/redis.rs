@@ -203,12 +203,21 @@ impl RedisServer {
             Some("zset") => self.cmd(&["ZRANGE", key, "0", "-1", "WITHSCORES"]),
             Some("hash") => self.cmd(&["HGETALL", key]),
             Some("list") => self.cmd(&["LRANGE", key, "0", "-1"]),
+            Some("stream") => self.cmd(&["XRANGE", key, "-", "+"]),
             other => panic!("unexpected type {other:?} for {key}"),
         };
+        fn flatten(r: Reply, out: &mut Vec<String>) {
+            match r {
+                Reply::Array(v) => v.into_iter().for_each(|r| flatten(r, out)),
+                other => out.extend(other.as_str().map(str::to_owned)),
+            }
+        }
         match reply {
-            Reply::Array(v) => (v.into_iter())
-                .filter_map(|r| r.as_str().map(str::to_owned))
-                .collect(),
+            r @ Reply::Array(_) => {
+                let mut out = Vec::new();
+                flatten(r, &mut out);
+                out
+            }
             Reply::Str(s) => vec![s],
             other => panic!("unexpected value for {key}: {other:?}"),
         }

@@ -2,10 +2,14 @@
 //! store, limits shared by two replicas, migrations, no API key in clear, and failing fast (then
 //! recovering) when Redis goes away.
 
-use kvgate_gateway::store::{Admission, RedisStore, Refusal, Store, StoreError, SCHEMA_VERSION};
-use kvgate_gateway::tenant::{
-    generate_key, generate_key_id, EngineRecord, KeyHash, KeyRecord, RateLimits, Tenant,
+use kvgate_gateway::audit::{AuditEntry, AuditQuery};
+use kvgate_gateway::store::{
+    Admission, MemoryStore, RecordQuery, RedisStore, Refusal, Store, StoreError, SCHEMA_VERSION,
 };
+use kvgate_gateway::tenant::{
+    generate_key, EngineRecord, KeyHash, KeyRecord, OperatorToken, RateLimits, Role, Tenant,
+};
+use kvgate_gateway::usage::{self, Ending, UsageRecord};
 use kvgate_tests::redis::{RedisServer, Reply};
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,12 +44,8 @@ fn adm<'a>(tenant: &'a str, limits: RateLimits, id: &'a str) -> Admission<'a> {
 fn new_key(tenant: &str, created_at: u64) -> (String, KeyRecord) {
     let clear = generate_key();
     let rec = KeyRecord {
-        id: generate_key_id(),
-        tenant: tenant.into(),
-        hash: KeyHash::of(PEPPER, &clear),
-        prefix: clear[..8].to_owned(),
         created_at,
-        revoked: false,
+        ..KeyRecord::new(tenant, KeyHash::of(PEPPER, &clear), &clear[..8])
     };
     (clear, rec)
 }
@@ -377,6 +377,40 @@ async fn migration_refuses_foreign_data() {
     assert_eq!(s.schema_version().await.unwrap(), 0);
 }
 
+/// A version-1 keyspace (a key record without the fields version 2 adds) moves to version 2 and
+/// its key reads back as an unnamed key with no expiry and no limits; a version-2 name already
+/// used with another type stops the migration at version 1.
+#[tokio::test]
+async fn migration_0002_upgrades_a_version_1_keyspace() {
+    let server = RedisServer::start();
+    let v1_key = r#"{"id":"key_000000000001","tenant":"acme","hash":"00000000000000000000000000000000000000000000000000000000000000aa","prefix":"kvg_AbCd","created_at":5,"revoked":false}"#;
+    let hash = "00000000000000000000000000000000000000000000000000000000000000aa";
+    server.cmd(&["SET", "kvgate:schema_version", "1"]);
+    server.cmd(&["SET", &format!("kvgate:key:{hash}"), v1_key]);
+    server.cmd(&["SADD", "kvgate:tenant_keys:acme", hash]);
+    let s = RedisStore::connect(&server.url()).await.unwrap();
+    assert_eq!(s.migrate().await.unwrap(), vec![2]);
+    let keys = s.list_keys("acme").await.unwrap();
+    assert_eq!(keys.len(), 1);
+    let k = &keys[0];
+    assert_eq!(
+        (k.name.as_str(), k.expires_at, k.requests_per_min),
+        ("", None, None)
+    );
+    assert!(k.labels.is_empty() && k.budget.is_none() && k.rotated_to.is_none());
+
+    let other = RedisServer::start();
+    other.cmd(&["SET", "kvgate:schema_version", "1"]);
+    other.cmd(&["SET", "kvgate:audit", "not a stream"]);
+    let s = RedisStore::connect(&other.url()).await.unwrap();
+    let err = s.migrate().await.unwrap_err();
+    assert!(
+        matches!(&err, StoreError::Schema(m) if m.contains("0002") && m.contains("kvgate:audit")),
+        "{err:?}"
+    );
+    assert_eq!(s.schema_version().await.unwrap(), 1);
+}
+
 #[tokio::test]
 async fn api_keys_are_never_stored_in_clear() {
     let server = RedisServer::start();
@@ -486,4 +520,170 @@ async fn a_stuck_redis_times_out() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(result.unwrap(), Ok(()));
+}
+
+fn record(
+    tenant: &str,
+    key: &str,
+    at_ms: u64,
+    prompt: u64,
+    cached: u64,
+    completion: u64,
+) -> UsageRecord {
+    UsageRecord {
+        id: usage::record_id(),
+        request_id: "req".into(),
+        tenant: tenant.into(),
+        key_id: key.into(),
+        key_lineage: None,
+        model: "smollm2:135m".into(),
+        engine: Some("e0".into()),
+        prompt_tokens: prompt,
+        cached_tokens: cached,
+        completion_tokens: completion,
+        cost_micros: prompt + completion,
+        status: 200,
+        ending: Ending::Completed,
+        finish_reason: Some("stop".into()),
+        ttft_ms: Some(3),
+        duration_ms: 7,
+        at_ms,
+    }
+}
+
+/// The ledger, the audit log, operator tokens and last-used times: the same on both stores.
+async fn ledger_audit_and_tokens(s: &dyn Store) {
+    // 2025-12-01 and 2025-12-02, UTC.
+    let (d1, d2) = (1_764_547_200_000, 1_764_633_600_000);
+    let a = record("acme", "key_a", d1 + 5, 100, 40, 10);
+    let b = record("acme", "key_b", d2 + 5, 50, 0, 5);
+    let c = record("beta", "key_c", d2 + 9, 7, 0, 1);
+    let batch = [a.clone(), b.clone(), c.clone()];
+    s.record_usage("batch-1", &batch).await.unwrap();
+    // A retry of a batch already written (an answer lost) counts nothing twice.
+    s.record_usage("batch-1", &batch).await.unwrap();
+    let all = s
+        .usage_records(&RecordQuery {
+            tenant: None,
+            since_ms: 0,
+            until_ms: u64::MAX / 2,
+            limit: 100,
+        })
+        .await
+        .unwrap();
+    // Newest first.
+    assert_eq!(all, vec![c.clone(), b.clone(), a.clone()]);
+    let acme_d2 = s
+        .usage_records(&RecordQuery {
+            tenant: Some("acme".into()),
+            since_ms: d2,
+            until_ms: d2 + 86_399_999,
+            limit: 100,
+        })
+        .await
+        .unwrap();
+    assert_eq!(acme_d2, vec![b.clone()]);
+    let periods = [
+        "2025-12-01".to_owned(),
+        "2025-12-02".into(),
+        "2025-12".into(),
+        "2025-11".into(),
+    ];
+    let agg = s.usage_aggregates("acme", &periods).await.unwrap();
+    assert_eq!(agg[0]["requests"], 1);
+    assert_eq!(agg[0]["cached"], 40);
+    assert_eq!(agg[0]["k:key_a:prompt"], 100);
+    assert_eq!(agg[0]["m:smollm2:135m:completion"], 10);
+    assert_eq!(agg[1]["prompt"], 50);
+    assert_eq!(usage::spent(&agg[2], None).tokens, 165);
+    assert_eq!(usage::spent(&agg[2], Some("key_b")).tokens, 55);
+    assert_eq!(usage::spent(&agg[2], None).cost_micros, 165);
+    assert!(agg[3].is_empty());
+    let (tenant, key) = s.spent("acme", "2025-12", "key_b").await.unwrap();
+    assert_eq!((tenant.tokens, key.tokens, key.cost_micros), (165, 55, 55));
+    let (none, _) = s.spent("nobody", "2025-12", "key_b").await.unwrap();
+    assert_eq!(none, usage::Spent::default());
+
+    for (i, action) in ["tenant.create", "key.issue", "engine.drain"]
+        .iter()
+        .enumerate()
+    {
+        let e = AuditEntry {
+            at_ms: 1000 + i as u64,
+            actor: "ci".into(),
+            role: Role::Admin,
+            action: (*action).into(),
+            target: "tenant:acme".into(),
+            status: 201,
+            error: None,
+        };
+        s.append_audit(&e).await.unwrap();
+    }
+    let q = |since_ms, limit| AuditQuery {
+        since_ms,
+        until_ms: u64::MAX / 2,
+        limit,
+    };
+    let newest: Vec<String> = (s.audit(q(0, 2)).await.unwrap())
+        .into_iter()
+        .map(|e| e.action)
+        .collect();
+    assert_eq!(newest, ["engine.drain", "key.issue"]);
+    assert_eq!(s.audit(q(1001, 10)).await.unwrap().len(), 2);
+
+    let clear = "kvo_clear-token-for-the-test";
+    let tok = OperatorToken {
+        name: "ci".into(),
+        role: Role::Operator,
+        hash: KeyHash::of(PEPPER, clear),
+        prefix: clear[..8].into(),
+        created_at: 1,
+        revoked: false,
+    };
+    assert!(s.create_operator_token(&tok).await.unwrap());
+    // A name is taken once, whatever the token.
+    let other = OperatorToken {
+        hash: KeyHash::of(PEPPER, "kvo_another"),
+        ..tok.clone()
+    };
+    assert!(!s.create_operator_token(&other).await.unwrap());
+    assert_eq!(
+        s.operator_token_by_hash(&tok.hash).await.unwrap(),
+        Some(tok.clone())
+    );
+    assert!(s.revoke_operator_token("ci").await.unwrap());
+    assert!(!s.revoke_operator_token("nobody").await.unwrap());
+    let listed = s.list_operator_tokens().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert!(listed[0].revoked);
+
+    let mut t = Tenant::new("acme");
+    t.requests_per_min = Some(5);
+    s.put_tenant(&t).await.unwrap();
+    let (_, k) = new_key("acme", 1);
+    s.put_key(&k).await.unwrap();
+    assert_eq!(s.list_keys("acme").await.unwrap()[0].last_used_at, None);
+    s.touch_key(&k.id, 1234).await.unwrap();
+    assert_eq!(
+        s.list_keys("acme").await.unwrap()[0].last_used_at,
+        Some(1234)
+    );
+}
+
+#[tokio::test]
+async fn ledger_audit_and_tokens_on_redis() {
+    let server = RedisServer::start();
+    let s = migrated(&server).await;
+    ledger_audit_and_tokens(&s).await;
+    // Nothing in clear: the operator token is stored as its hash.
+    for k in server.keys() {
+        for v in server.dump_values(&k) {
+            assert!(!v.contains("clear-token"), "{k}: {v}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn ledger_audit_and_tokens_in_memory() {
+    ledger_audit_and_tokens(&MemoryStore::new()).await;
 }

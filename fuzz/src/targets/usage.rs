@@ -2,7 +2,7 @@
 //! member but `usage` without building a tree, against a full `serde_json::Value` parse (the
 //! reference its unit test uses).
 //!
-//! Invariants: nothing panics; both read the same prompt and completion counts, or both read
+//! Invariants: nothing panics; both read the same prompt, cached and completion counts, or both read
 //! none; [`Served::completion`] never counts less than what was relayed.
 
 use super::{ensure, signature, Target, Violation};
@@ -21,9 +21,15 @@ pub fn reference(json: &[u8]) -> Option<Usage> {
     let v: serde_json::Value = serde_json::from_slice(json).ok()?;
     let u = v.get("usage").filter(|u| !u.is_null())?;
     let count = |name: &str| u.get(name).and_then(|x| x.as_u64()).unwrap_or(0);
+    let cached = u
+        .get("prompt_tokens_details")
+        .and_then(|d| d.get("cached_tokens"))
+        .and_then(|x| x.as_u64())
+        .unwrap_or(0);
     Some(Usage {
         prompt: count("prompt_tokens"),
         completion: count("completion_tokens"),
+        cached,
     })
 }
 
@@ -79,6 +85,7 @@ impl Target for UsageReader {
         let served = Served {
             usage: fast,
             chunks,
+            ..Served::default()
         };
         ensure(
             served.completion() >= chunks,

@@ -6,11 +6,12 @@
 //! - [`EngineLoad`]: the engine's in-flight count and queued prefill tokens, the load routing
 //!   and `drain --wait` read;
 //! - [`Outcome`]: the request's status and duration in the metrics (499 when the client left
-//!   before an answer).
+//!   before an answer), and, once it was admitted, its record in the usage ledger.
 
 use crate::state::Gateway;
 use crate::tenant::RateLimits;
-use crate::upstream::Engine;
+use crate::upstream::{now_ms, Engine};
+use crate::usage::{self, Ending, Prices, UsageRecord};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,12 +36,13 @@ fn lease_id() -> String {
 }
 
 /// A tenant's admitted request. Dropping it frees the concurrency slot and charges the tokens
-/// generated (the prompt's were charged at admission).
+/// generated (the prompt's were charged at admission), in every bucket that admitted it (the
+/// tenant's, and its key's own when the key has limits).
 #[derive(Debug)]
 pub struct Lease {
     gw: Arc<Gateway>,
-    tenant: Arc<str>,
-    limits: RateLimits,
+    /// Rate-limit buckets and their limits.
+    buckets: Arc<[(String, RateLimits)]>,
     id: Arc<str>,
     /// Tokens to charge on release.
     owed: u64,
@@ -55,28 +57,31 @@ impl Lease {
         Arc::from(lease_id())
     }
 
-    /// Holds an admitted lease, renewing it while the request lives when it counts against a
-    /// concurrency limit.
-    pub fn held(gw: &Arc<Gateway>, tenant: &str, limits: RateLimits, id: Arc<str>) -> Lease {
-        let renewer = limits.max_concurrent.map(|_| {
-            let (gw, tenant, id) = (gw.clone(), tenant.to_owned(), id.clone());
+    /// Holds a lease admitted by `buckets`, renewing it while the request lives in those that
+    /// count it against a concurrency limit.
+    pub fn held(gw: &Arc<Gateway>, buckets: Vec<(String, RateLimits)>, id: Arc<str>) -> Lease {
+        let buckets: Arc<[(String, RateLimits)]> = buckets.into();
+        let counted = buckets.iter().any(|(_, l)| l.max_concurrent.is_some());
+        let renewer = counted.then(|| {
+            let (gw, buckets, id) = (gw.clone(), buckets.clone(), id.clone());
             tokio::spawn(async move {
                 let mut tick = tokio::time::interval(RENEW_EVERY);
                 tick.tick().await;
                 loop {
                     tick.tick().await;
                     let ms = LEASE.as_millis() as u64;
-                    if let Err(e) = gw.store.renew(&tenant, &id, ms).await {
-                        gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(error = %e, "lease renewal failed");
+                    for (bucket, _) in buckets.iter().filter(|(_, l)| l.max_concurrent.is_some()) {
+                        if let Err(e) = gw.store.renew(bucket, &id, ms).await {
+                            gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(error = %e, "lease renewal failed");
+                        }
                     }
                 }
             })
         });
         Lease {
             gw: gw.clone(),
-            tenant: Arc::from(tenant),
-            limits,
+            buckets,
             id,
             owed: 0,
             renewer,
@@ -110,16 +115,18 @@ impl Lease {
         if let Some(r) = self.renewer.take() {
             r.abort();
         }
-        let (gw, tenant, id) = (self.gw.clone(), self.tenant.clone(), self.id.clone());
-        let (limits, owed) = (self.limits, self.owed);
+        let (gw, buckets, id) = (self.gw.clone(), self.buckets.clone(), self.id.clone());
+        let owed = self.owed;
         // Counted from now (not from when the task first runs), so a stop that begins in
         // between still waits for it; uncounted when the task ends or is dropped unfinished.
         let pending = PendingRelease::start(&gw.pending_releases);
         Some(self.gw.background.spawn(async move {
             let _pending = pending;
-            if let Err(e) = gw.store.release(&tenant, limits, &id, owed).await {
-                gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(error = %e, "rate-limit release failed; the lease will lapse");
+            for (bucket, limits) in buckets.iter() {
+                if let Err(e) = gw.store.release(bucket, *limits, &id, owed).await {
+                    gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(error = %e, "rate-limit release failed; the lease will lapse");
+                }
             }
         }))
     }
@@ -184,7 +191,28 @@ impl Drop for EngineLoad {
     }
 }
 
-/// A request's line in the metrics, written when it is dropped.
+/// An admitted request's usage so far: what its ledger record will say.
+#[derive(Debug, Clone)]
+pub struct Billed {
+    pub request_id: String,
+    pub key_id: String,
+    /// The key's rotation chain, when the key is not its first.
+    pub key_lineage: Option<String>,
+    pub model: String,
+    pub prices: Prices,
+    pub engine: Option<String>,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub completion_tokens: u64,
+    pub finish_reason: Option<String>,
+    /// When the first token (or the whole answer) went out.
+    pub first_token: Option<Instant>,
+    /// The answer started but the engine broke it off.
+    pub broken: bool,
+}
+
+/// A request's line in the metrics and, once admitted, in the usage ledger, written when it is
+/// dropped.
 #[derive(Debug)]
 pub struct Outcome {
     gw: Arc<Gateway>,
@@ -192,6 +220,8 @@ pub struct Outcome {
     start: Instant,
     /// The answer's status; `None` until there is one.
     pub status: Option<u16>,
+    /// The ledger's record, from admission on.
+    pub billed: Option<Billed>,
     /// Whether dropping this one writes the line (a moved-out original does not).
     armed: bool,
 }
@@ -203,6 +233,7 @@ impl Outcome {
             tenant: Arc::from(tenant),
             start,
             status: None,
+            billed: None,
             armed: true,
         }
     }
@@ -216,7 +247,43 @@ impl Outcome {
             tenant: self.tenant.clone(),
             start: self.start,
             status: self.status,
+            billed: self.billed.take(),
             armed: true,
+        }
+    }
+
+    /// The ledger record of a request that ends now with `status`.
+    fn record(&self, b: Billed, status: u16) -> UsageRecord {
+        let ending = if status == CLIENT_CLOSED {
+            Ending::Cancelled
+        } else if (200..300).contains(&status) && !b.broken {
+            Ending::Completed
+        } else {
+            Ending::Failed
+        };
+        let ms = |d: Duration| d.as_millis().min(u128::from(u64::MAX)) as u64;
+        UsageRecord {
+            id: usage::record_id(),
+            request_id: b.request_id,
+            tenant: self.tenant.to_string(),
+            key_id: b.key_id,
+            key_lineage: b.key_lineage,
+            cost_micros: b.prices.cost_micros(
+                b.prompt_tokens,
+                b.cached_tokens,
+                b.completion_tokens,
+            ),
+            model: b.model,
+            engine: b.engine,
+            prompt_tokens: b.prompt_tokens,
+            cached_tokens: b.cached_tokens.min(b.prompt_tokens),
+            completion_tokens: b.completion_tokens,
+            status,
+            ending,
+            finish_reason: b.finish_reason,
+            ttft_ms: b.first_token.map(|t| ms(t.duration_since(self.start))),
+            duration_ms: ms(self.start.elapsed()),
+            at_ms: now_ms(),
         }
     }
 }
@@ -226,10 +293,15 @@ impl Drop for Outcome {
         if !self.armed {
             return;
         }
+        let status = self.status.unwrap_or(CLIENT_CLOSED);
         let m = &self.gw.metrics;
-        m.request(&self.tenant, self.status.unwrap_or(CLIENT_CLOSED));
+        m.request(&self.tenant, status);
         m.request_duration
             .observe(self.start.elapsed().as_secs_f64());
+        if let Some(b) = self.billed.take() {
+            let record = self.record(b, status);
+            self.gw.ledger.push(record);
+        }
     }
 }
 

@@ -11,10 +11,12 @@
 //! A `MemoryStore` is created by this build, so its keyspace is always current: it reports
 //! [`SCHEMA_VERSION`] and `migrate` has nothing to apply.
 
-use super::{Admission, Refusal, Store, StoreError, SCHEMA_VERSION};
-use crate::tenant::{EngineRecord, KeyHash, KeyRecord, RateLimits, Tenant};
+use super::{Admission, RecordQuery, Refusal, Store, StoreError, RECORDS_READ_MAX, SCHEMA_VERSION};
+use crate::audit::{AuditEntry, AuditQuery, AUDIT_READ_MAX, AUDIT_RETENTION};
+use crate::tenant::{EngineRecord, KeyHash, KeyRecord, OperatorToken, RateLimits, Tenant};
+use crate::usage::{day_fields, month_fields, spent, Spent, UsageRecord};
 use async_trait::async_trait;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Mutex, MutexGuard};
 
 /// One minute in microseconds: the GCRA window.
@@ -38,7 +40,18 @@ struct Inner {
     keys: HashMap<[u8; 32], KeyRecord>,
     engines: BTreeMap<String, EngineRecord>,
     limits: HashMap<String, Buckets>,
+    /// The ledger's newest records, at most [`MEMORY_RECORDS`], and their ids.
+    records: VecDeque<UsageRecord>,
+    recorded: HashSet<String>,
+    /// (tenant, day or month) -> field -> count.
+    aggregates: HashMap<(String, String), HashMap<String, u64>>,
+    audit: VecDeque<AuditEntry>,
+    operator_tokens: HashMap<[u8; 32], OperatorToken>,
+    last_used: HashMap<String, u64>,
 }
+
+/// Ledger records the in-process store keeps (the aggregates keep everything).
+pub const MEMORY_RECORDS: usize = 100_000;
 
 /// One tenant's rate-limit state.
 #[derive(Debug, Default)]
@@ -224,6 +237,10 @@ impl Store for MemoryStore {
         let mut inner = self.lock();
         inner.keys.retain(|_, k| k.tenant != id);
         inner.limits.remove(id);
+        let own_bucket = format!("{id}:key:");
+        inner
+            .limits
+            .retain(|bucket, _| !bucket.starts_with(&own_bucket));
         Ok(inner.tenants.remove(id).is_some())
     }
 
@@ -237,9 +254,13 @@ impl Store for MemoryStore {
     }
 
     async fn list_keys(&self, tenant: &str) -> Result<Vec<KeyRecord>, StoreError> {
-        let mut keys: Vec<KeyRecord> = (self.lock().keys.values())
+        let inner = self.lock();
+        let mut keys: Vec<KeyRecord> = (inner.keys.values())
             .filter(|k| k.tenant == tenant)
-            .cloned()
+            .map(|k| KeyRecord {
+                last_used_at: inner.last_used.get(&k.id).copied(),
+                ..k.clone()
+            })
             .collect();
         sort_keys(&mut keys);
         Ok(keys)
@@ -270,6 +291,137 @@ impl Store for MemoryStore {
         Ok(self.admit_at(req, now_us()))
     }
 
+    async fn record_usage(
+        &self,
+        _batch_id: &str,
+        records: &[UsageRecord],
+    ) -> Result<(), StoreError> {
+        // In process, no answer is lost: a record id seen before is the only retry to skip.
+        let mut inner = self.lock();
+        for r in records {
+            if !inner.recorded.insert(r.id.clone()) {
+                continue;
+            }
+            for (period, fields) in [(r.day(), day_fields(r)), (r.month(), month_fields(r))] {
+                let agg = inner
+                    .aggregates
+                    .entry((r.tenant.clone(), period))
+                    .or_default();
+                for (f, v) in fields {
+                    let n = agg.entry(f).or_insert(0);
+                    *n = n.saturating_add(v);
+                }
+            }
+            inner.records.push_back(r.clone());
+            if inner.records.len() > MEMORY_RECORDS {
+                if let Some(old) = inner.records.pop_front() {
+                    inner.recorded.remove(&old.id);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn usage_records(&self, q: &RecordQuery) -> Result<Vec<UsageRecord>, StoreError> {
+        let inner = self.lock();
+        Ok((inner.records.iter().rev())
+            .filter(|r| (q.since_ms..=q.until_ms).contains(&r.at_ms))
+            .filter(|r| q.tenant.as_ref().is_none_or(|t| *t == r.tenant))
+            .take(q.limit.min(RECORDS_READ_MAX))
+            .cloned()
+            .collect())
+    }
+
+    async fn usage_aggregates(
+        &self,
+        tenant: &str,
+        periods: &[String],
+    ) -> Result<Vec<HashMap<String, u64>>, StoreError> {
+        let inner = self.lock();
+        Ok(periods
+            .iter()
+            .map(|p| {
+                (inner.aggregates)
+                    .get(&(tenant.to_owned(), p.clone()))
+                    .cloned()
+                    .unwrap_or_default()
+            })
+            .collect())
+    }
+
+    async fn spent(
+        &self,
+        tenant: &str,
+        month: &str,
+        key_id: &str,
+    ) -> Result<(Spent, Spent), StoreError> {
+        let inner = self.lock();
+        let empty = HashMap::new();
+        let agg = (inner.aggregates)
+            .get(&(tenant.to_owned(), month.to_owned()))
+            .unwrap_or(&empty);
+        Ok((spent(agg, None), spent(agg, Some(key_id))))
+    }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        let mut inner = self.lock();
+        inner.audit.push_back(entry.clone());
+        if inner.audit.len() as u64 > AUDIT_RETENTION {
+            inner.audit.pop_front();
+        }
+        Ok(())
+    }
+
+    async fn audit(&self, q: AuditQuery) -> Result<Vec<AuditEntry>, StoreError> {
+        let inner = self.lock();
+        Ok((inner.audit.iter().rev())
+            .filter(|e| (q.since_ms..=q.until_ms).contains(&e.at_ms))
+            .take(q.limit.min(AUDIT_READ_MAX))
+            .cloned()
+            .collect())
+    }
+
+    async fn create_operator_token(&self, token: &OperatorToken) -> Result<bool, StoreError> {
+        let mut inner = self.lock();
+        if inner.operator_tokens.values().any(|t| t.name == token.name) {
+            return Ok(false);
+        }
+        inner.operator_tokens.insert(token.hash.0, token.clone());
+        Ok(true)
+    }
+
+    async fn operator_token_by_hash(
+        &self,
+        hash: &KeyHash,
+    ) -> Result<Option<OperatorToken>, StoreError> {
+        Ok(self.lock().operator_tokens.get(&hash.0).cloned())
+    }
+
+    async fn list_operator_tokens(&self) -> Result<Vec<OperatorToken>, StoreError> {
+        let mut all: Vec<OperatorToken> = self.lock().operator_tokens.values().cloned().collect();
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(all)
+    }
+
+    async fn revoke_operator_token(&self, name: &str) -> Result<bool, StoreError> {
+        let mut inner = self.lock();
+        let mut found = false;
+        for t in inner
+            .operator_tokens
+            .values_mut()
+            .filter(|t| t.name == name)
+        {
+            t.revoked = true;
+            found = true;
+        }
+        Ok(found)
+    }
+
+    async fn touch_key(&self, key_id: &str, at: u64) -> Result<(), StoreError> {
+        self.lock().last_used.insert(key_id.to_owned(), at);
+        Ok(())
+    }
+
     async fn renew(&self, tenant: &str, lease: &str, lease_ms: u64) -> Result<(), StoreError> {
         self.renew_at(tenant, lease, lease_ms, now_us());
         Ok(())
@@ -295,7 +447,7 @@ pub(super) fn sort_keys(keys: &mut [KeyRecord]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tenant::{generate_key, generate_key_id};
+    use crate::tenant::generate_key;
 
     const T0: u64 = 1_700_000_000_000_000;
 
@@ -319,12 +471,8 @@ mod tests {
 
     fn key(tenant: &str, created_at: u64) -> KeyRecord {
         KeyRecord {
-            id: generate_key_id(),
-            tenant: tenant.into(),
-            hash: KeyHash::of(b"pepper", &generate_key()),
-            prefix: "kvg_AbCd".into(),
             created_at,
-            revoked: false,
+            ..KeyRecord::new(tenant, KeyHash::of(b"pepper", &generate_key()), "kvg_AbCd")
         }
     }
 

@@ -18,13 +18,29 @@ mod memory;
 mod redis;
 
 pub use self::memory::MemoryStore;
-pub use self::redis::RedisStore;
+pub use self::redis::{RedisStore, USAGE_STREAM};
 
-use crate::tenant::{EngineRecord, KeyHash, KeyRecord, RateLimits, Tenant};
+use crate::audit::{AuditEntry, AuditQuery};
+use crate::tenant::{EngineRecord, KeyHash, KeyRecord, OperatorToken, RateLimits, Tenant};
+use crate::usage::{Spent, UsageRecord};
 use async_trait::async_trait;
+use std::collections::HashMap;
 
 /// The newest keyspace version this build understands (see `migrations/`).
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
+
+/// Which ledger records to read: oldest first, ended within `[since_ms, until_ms]`, of one
+/// tenant or all, at most `limit`.
+#[derive(Debug, Clone)]
+pub struct RecordQuery {
+    pub tenant: Option<String>,
+    pub since_ms: u64,
+    pub until_ms: u64,
+    pub limit: usize,
+}
+
+/// Most ledger records one read returns.
+pub const RECORDS_READ_MAX: usize = 10_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -126,6 +142,51 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     ) -> Option<tokio::task::JoinHandle<()>> {
         None
     }
+
+    /// Appends a batch of records to the ledger and adds each to its tenant's daily and monthly
+    /// aggregates, in one atomic step. A batch whose id was recorded before (a retry after an
+    /// answer was lost: the gateway retries the same batch) is skipped, so retries never count
+    /// twice.
+    async fn record_usage(&self, batch_id: &str, records: &[UsageRecord])
+        -> Result<(), StoreError>;
+    /// Ledger records, oldest first (see [`RecordQuery`]).
+    async fn usage_records(&self, q: &RecordQuery) -> Result<Vec<UsageRecord>, StoreError>;
+    /// A tenant's aggregates for each named period (a day `YYYY-MM-DD` or a month `YYYY-MM`), in
+    /// order: field -> count (`usage.rs` names the fields); empty for a period with nothing.
+    async fn usage_aggregates(
+        &self,
+        tenant: &str,
+        periods: &[String],
+    ) -> Result<Vec<HashMap<String, u64>>, StoreError>;
+
+    /// What a tenant, and one of its keys, spent in a month (`YYYY-MM`): the monthly
+    /// aggregate's four fields budgets read, without the rest of it.
+    async fn spent(
+        &self,
+        tenant: &str,
+        month: &str,
+        key_id: &str,
+    ) -> Result<(Spent, Spent), StoreError>;
+
+    /// Appends an entry to the audit log.
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError>;
+    /// Audit entries, newest first.
+    async fn audit(&self, q: AuditQuery) -> Result<Vec<AuditEntry>, StoreError>;
+
+    /// Stores a new operator token unless its name is taken (then `false`): a name is never
+    /// reused, revoked or not.
+    async fn create_operator_token(&self, token: &OperatorToken) -> Result<bool, StoreError>;
+    /// The operator token whose hash is `hash`, revoked or not.
+    async fn operator_token_by_hash(
+        &self,
+        hash: &KeyHash,
+    ) -> Result<Option<OperatorToken>, StoreError>;
+    async fn list_operator_tokens(&self) -> Result<Vec<OperatorToken>, StoreError>;
+    /// Marks the named token revoked; `false` if there is none.
+    async fn revoke_operator_token(&self, name: &str) -> Result<bool, StoreError>;
+
+    /// Notes that a key was used at `at` (unix seconds); listings report it as `last_used_at`.
+    async fn touch_key(&self, key_id: &str, at: u64) -> Result<(), StoreError>;
 
     /// Extends a live request's concurrency lease to `lease_ms` from now (nothing when the lease
     /// is gone: a lapsed lease is not brought back).

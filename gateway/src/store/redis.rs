@@ -38,12 +38,18 @@
 //! primary (with replicas), not Redis Cluster.
 
 use super::memory::{sort_keys, MAX_CHARGED_TOKENS};
-use super::{Admission, OnTenantChange, Refusal, Store, StoreError, SCHEMA_VERSION};
-use crate::tenant::{EngineRecord, KeyHash, KeyRecord, RateLimits, Tenant};
+use super::{
+    Admission, OnTenantChange, RecordQuery, Refusal, Store, StoreError, RECORDS_READ_MAX,
+    SCHEMA_VERSION,
+};
+use crate::audit::{AuditEntry, AuditQuery, AUDIT_READ_MAX, AUDIT_RETENTION};
+use crate::tenant::{EngineRecord, KeyHash, KeyRecord, OperatorToken, RateLimits, Tenant};
+use crate::usage::{day_fields, month_fields, Spent, UsageRecord, STREAM_RETENTION};
 use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncCommands, RedisError, Script};
 use serde::de::DeserializeOwned;
+use std::collections::HashMap;
 use std::future::Future;
 use std::time::Duration;
 
@@ -60,8 +66,28 @@ const TENANTS: &str = "kvgate:tenants";
 const ENGINES: &str = "kvgate:engines";
 
 /// The numbered migrations, in order (embedded from the repository's `migrations/`).
-pub(crate) const MIGRATIONS: &[(u32, &str)] =
-    &[(1, include_str!("../../../migrations/0001_init.lua"))];
+pub(crate) const MIGRATIONS: &[(u32, &str)] = &[
+    (1, include_str!("../../../migrations/0001_init.lua")),
+    (
+        2,
+        include_str!("../../../migrations/0002_usage_audit_tokens.lua"),
+    ),
+];
+
+/// The ledger's stream: one entry per record, fields `id` (the record's id) and `r` (JSON).
+pub const USAGE_STREAM: &str = "kvgate:usage:records";
+/// Tenants with any usage recorded.
+const USAGE_TENANTS: &str = "kvgate:usage:tenants";
+/// The audit log's stream: one entry per action, field `e` (JSON).
+const AUDIT_STREAM: &str = "kvgate:audit";
+const OPERATOR_TOKENS: &str = "kvgate:optokens";
+const KEY_LAST_USED: &str = "kvgate:key_last_used";
+/// How long a recorded batch is remembered, against a retry counting twice (a day: the gateway
+/// retries a batch until it is written, within seconds of the store coming back).
+const RECORDED_TTL_SECS: u64 = 86_400;
+/// How long aggregates are kept: days 400 days, months 800 days.
+const DAY_TTL_SECS: u64 = 400 * 86_400;
+const MONTH_TTL_SECS: u64 = 800 * 86_400;
 
 fn tenant_key(id: &str) -> String {
     format!("kvgate:tenant:{id}")
@@ -78,6 +104,51 @@ fn engine_key(name: &str) -> String {
 fn rl_key(tenant: &str, what: &str) -> String {
     format!("kvgate:rl:{tenant}:{what}")
 }
+fn usage_key(tenant: &str, period: &str) -> String {
+    // A day (YYYY-MM-DD) and a month (YYYY-MM) never name the same key.
+    format!("kvgate:usage:{tenant}:{period}")
+}
+fn recorded_key(batch_id: &str) -> String {
+    format!("kvgate:usage:batch:{batch_id}")
+}
+fn operator_token_key(hash_hex: &str) -> String {
+    format!("kvgate:optoken:{hash_hex}")
+}
+fn operator_name_key(name: &str) -> String {
+    format!("kvgate:optoken_name:{name}")
+}
+
+/// KEYS: stream, batch marker, usage tenants. ARGV: stream retention, marker ttl, day ttl, month
+/// ttl, then per record: id, JSON, tenant, day aggregate key, month aggregate key, N, N (field,
+/// count) pairs for the day, M, M pairs for the month. Returns 0 when the batch was recorded
+/// before, else 1. The marker is set last and every count is below 2^53 (checked by the
+/// gateway), so a script that runs runs whole. The aggregates' keys are undeclared: one Redis
+/// primary, as for the other scripts.
+const RECORD_LUA: &str = r"
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+local i = 5
+while i <= #ARGV do
+  local id, json, tenant, day, month = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'id', id, 'r', json)
+  local n = tonumber(ARGV[i + 5])
+  i = i + 6
+  for _ = 1, n do
+    redis.call('HINCRBY', day, ARGV[i], ARGV[i + 1])
+    i = i + 2
+  end
+  n = tonumber(ARGV[i])
+  i = i + 1
+  for _ = 1, n do
+    redis.call('HINCRBY', month, ARGV[i], ARGV[i + 1])
+    i = i + 2
+  end
+  redis.call('EXPIRE', day, ARGV[3])
+  redis.call('EXPIRE', month, ARGV[4])
+  redis.call('SADD', KEYS[3], tenant)
+end
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])
+return 1
+";
 
 /// Shared by both rate-limit scripts: integer ceil division on Lua doubles (exact below 2^53),
 /// and microseconds to milliseconds rounded up.
@@ -181,6 +252,7 @@ pub struct RedisStore {
     renew: Script,
     release: Script,
     delete_tenant: Script,
+    record: Script,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -240,6 +312,7 @@ impl RedisStore {
             renew: Script::new(&format!("{LUA_HELPERS}{RENEW_LUA}")),
             release: Script::new(&format!("{LUA_HELPERS}{RELEASE_LUA}")),
             delete_tenant: Script::new(DELETE_TENANT_LUA),
+            record: Script::new(RECORD_LUA),
         })
     }
 
@@ -482,6 +555,21 @@ impl Store for RedisStore {
         let mut keys: Vec<KeyRecord> = self.list_json(&tenant_keys_key(tenant), key_key).await?;
         keys.retain(|k| k.tenant == tenant);
         sort_keys(&mut keys);
+        if !keys.is_empty() {
+            let ids: Vec<String> = keys.iter().map(|k| k.id.clone()).collect();
+            let used: Vec<Option<u64>> = self
+                .call(|mut c| async move {
+                    redis::cmd("HMGET")
+                        .arg(KEY_LAST_USED)
+                        .arg(ids)
+                        .query_async(&mut c)
+                        .await
+                })
+                .await?;
+            for (k, at) in keys.iter_mut().zip(used) {
+                k.last_used_at = at;
+            }
+        }
         Ok(keys)
     }
 
@@ -573,6 +661,273 @@ impl Store for RedisStore {
             2 => Err(Refusal::Tokens { retry_after_ms }),
             _ => Err(Refusal::Concurrency { retry_after_ms }),
         })
+    }
+
+    async fn record_usage(
+        &self,
+        batch_id: &str,
+        records: &[UsageRecord],
+    ) -> Result<(), StoreError> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let script = self.record.clone();
+        let keys = [
+            USAGE_STREAM.to_owned(),
+            recorded_key(batch_id),
+            USAGE_TENANTS.to_owned(),
+        ];
+        let mut args: Vec<String> = vec![
+            STREAM_RETENTION.to_string(),
+            RECORDED_TTL_SECS.to_string(),
+            DAY_TTL_SECS.to_string(),
+            MONTH_TTL_SECS.to_string(),
+        ];
+        for r in records {
+            let (day, month) = (day_fields(r), month_fields(r));
+            args.extend([
+                r.id.clone(),
+                encode(r),
+                r.tenant.clone(),
+                usage_key(&r.tenant, &r.day()),
+                usage_key(&r.tenant, &r.month()),
+                day.len().to_string(),
+            ]);
+            for (f, v) in day {
+                args.extend([f, v.to_string()]);
+            }
+            args.push(month.len().to_string());
+            for (f, v) in month {
+                args.extend([f, v.to_string()]);
+            }
+        }
+        self.call(|mut c| async move {
+            let mut inv = script.prepare_invoke();
+            inv.key(&keys[..]).arg(args);
+            inv.invoke_async::<i64>(&mut c).await
+        })
+        .await
+        .map(drop)
+    }
+
+    async fn usage_records(&self, q: &RecordQuery) -> Result<Vec<UsageRecord>, StoreError> {
+        let limit = q.limit.min(RECORDS_READ_MAX);
+        let mut out = Vec::new();
+        // Newest first. An entry's id is when it was added: at or after its record ended (later
+        // when the gateway buffered it through an outage), so no entry older than `since` holds
+        // a record in range.
+        let mut end = "+".to_owned();
+        let start = format!("{}-0", q.since_ms);
+        // A tenant's records among others': at most this many pages are read per call.
+        for _ in 0..64 {
+            let e = end.clone();
+            let s = start.clone();
+            let page: Vec<(String, Vec<String>)> = self
+                .call(|mut c| async move {
+                    redis::cmd("XREVRANGE")
+                        .arg(USAGE_STREAM)
+                        .arg(e)
+                        .arg(s)
+                        .arg("COUNT")
+                        .arg(1000)
+                        .query_async(&mut c)
+                        .await
+                })
+                .await?;
+            let Some((last, _)) = page.last() else { break };
+            end = format!("({last}");
+            let n = page.len();
+            for (_, fields) in page {
+                let Some(json) = fields
+                    .chunks(2)
+                    .find(|f| f[0] == "r")
+                    .and_then(|f| f.get(1))
+                else {
+                    continue;
+                };
+                let r: UsageRecord = decode(USAGE_STREAM, json)?;
+                let in_range = (q.since_ms..=q.until_ms).contains(&r.at_ms);
+                if in_range && q.tenant.as_ref().is_none_or(|t| *t == r.tenant) {
+                    out.push(r);
+                    if out.len() >= limit {
+                        return Ok(out);
+                    }
+                }
+            }
+            if n < 1000 {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    async fn usage_aggregates(
+        &self,
+        tenant: &str,
+        periods: &[String],
+    ) -> Result<Vec<HashMap<String, u64>>, StoreError> {
+        let keys: Vec<String> = periods.iter().map(|p| usage_key(tenant, p)).collect();
+        self.call(|mut c| async move {
+            let mut pipe = redis::pipe();
+            for k in &keys {
+                pipe.hgetall(k);
+            }
+            pipe.query_async(&mut c).await
+        })
+        .await
+    }
+
+    async fn spent(
+        &self,
+        tenant: &str,
+        month: &str,
+        key_id: &str,
+    ) -> Result<(Spent, Spent), StoreError> {
+        let key = usage_key(tenant, month);
+        let fields = [
+            "tokens".to_owned(),
+            "cost".to_owned(),
+            format!("k:{key_id}:tokens"),
+            format!("k:{key_id}:cost"),
+        ];
+        let v: Vec<Option<u64>> = self
+            .call(|mut c| async move {
+                redis::cmd("HMGET")
+                    .arg(key)
+                    .arg(&fields[..])
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        let get = |i: usize| v.get(i).copied().flatten().unwrap_or(0);
+        Ok((
+            Spent {
+                tokens: get(0),
+                cost_micros: get(1),
+            },
+            Spent {
+                tokens: get(2),
+                cost_micros: get(3),
+            },
+        ))
+    }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        let json = encode(entry);
+        self.call(|mut c| async move {
+            redis::cmd("XADD")
+                .arg(AUDIT_STREAM)
+                .arg("MAXLEN")
+                .arg("~")
+                .arg(AUDIT_RETENTION)
+                .arg("*")
+                .arg("e")
+                .arg(json)
+                .query_async::<String>(&mut c)
+                .await
+        })
+        .await
+        .map(drop)
+    }
+
+    async fn audit(&self, q: AuditQuery) -> Result<Vec<AuditEntry>, StoreError> {
+        let limit = q.limit.min(AUDIT_READ_MAX);
+        let end = q
+            .until_ms
+            .saturating_add(60_000)
+            .min(u64::MAX / 2)
+            .to_string();
+        let start = q.since_ms.to_string();
+        let page: Vec<(String, Vec<String>)> = self
+            .call(|mut c| async move {
+                redis::cmd("XREVRANGE")
+                    .arg(AUDIT_STREAM)
+                    .arg(end)
+                    .arg(start)
+                    .arg("COUNT")
+                    .arg(limit)
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        // An entry's id is when it was appended, just after its `at_ms`: the id range bounds
+        // the read, its time filters it.
+        let entries: Vec<AuditEntry> = page
+            .iter()
+            .filter_map(|(_, f)| f.chunks(2).find(|f| f[0] == "e").and_then(|f| f.get(1)))
+            .map(|json| decode(AUDIT_STREAM, json))
+            .collect::<Result<_, _>>()?;
+        Ok(entries
+            .into_iter()
+            .filter(|e| (q.since_ms..=q.until_ms).contains(&e.at_ms))
+            .collect())
+    }
+
+    async fn create_operator_token(&self, token: &OperatorToken) -> Result<bool, StoreError> {
+        let hex = token.hash.hex();
+        let (k, json) = (operator_token_key(&hex), encode(token));
+        let name = operator_name_key(&token.name);
+        let h = hex.clone();
+        // The name first, atomically: of two tokens issued at once under one name, one wins.
+        let taken: Option<String> = self
+            .call(|mut c| async move {
+                redis::cmd("SET")
+                    .arg(name)
+                    .arg(h)
+                    .arg("NX")
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        if taken.is_none() {
+            return Ok(false);
+        }
+        self.call(|mut c| async move {
+            redis::pipe()
+                .atomic()
+                .set(k, json)
+                .sadd(OPERATOR_TOKENS, hex)
+                .exec_async(&mut c)
+                .await
+        })
+        .await?;
+        Ok(true)
+    }
+
+    async fn operator_token_by_hash(
+        &self,
+        hash: &KeyHash,
+    ) -> Result<Option<OperatorToken>, StoreError> {
+        self.get_json(operator_token_key(&hash.hex())).await
+    }
+
+    async fn list_operator_tokens(&self) -> Result<Vec<OperatorToken>, StoreError> {
+        let mut all: Vec<OperatorToken> =
+            self.list_json(OPERATOR_TOKENS, operator_token_key).await?;
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(all)
+    }
+
+    async fn revoke_operator_token(&self, name: &str) -> Result<bool, StoreError> {
+        let mut found = false;
+        for mut t in self.list_operator_tokens().await? {
+            if t.name != name {
+                continue;
+            }
+            found = true;
+            t.revoked = true;
+            let (k, json) = (operator_token_key(&t.hash.hex()), encode(&t));
+            self.call(|mut c| async move { c.set::<_, _, ()>(k, json).await })
+                .await?;
+        }
+        Ok(found)
+    }
+
+    async fn touch_key(&self, key_id: &str, at: u64) -> Result<(), StoreError> {
+        let id = key_id.to_owned();
+        self.call(|mut c| async move { c.hset::<_, _, _, i64>(KEY_LAST_USED, id, at).await })
+            .await
+            .map(drop)
     }
 
     async fn renew(&self, tenant: &str, lease: &str, lease_ms: u64) -> Result<(), StoreError> {

@@ -70,6 +70,8 @@ pub use kvgate_http::FAULT_HEADER;
 pub struct Usage {
     pub prompt: u64,
     pub completion: u64,
+    /// Prompt tokens served from the engine's prefix cache (`prompt_tokens_details`).
+    pub cached: u64,
 }
 
 impl Usage {
@@ -191,10 +193,30 @@ pub fn usage(json: &[u8]) -> Option<Usage> {
     let doc: UsageDoc = serde_json::from_slice(json).ok()?;
     let u = doc.0.filter(|u| !u.is_null())?;
     let count = |name: &str| u.get(name).and_then(|x| x.as_u64()).unwrap_or(0);
+    let cached = u
+        .pointer("/prompt_tokens_details/cached_tokens")
+        .and_then(|x| x.as_u64())
+        .unwrap_or(0);
     Some(Usage {
         prompt: count("prompt_tokens"),
         completion: count("completion_tokens"),
+        cached,
     })
+}
+
+/// The finish reasons an engine sends, as the ledger records them.
+const FINISH_REASONS: &[&str] = &["stop", "length", "tool_calls", "content_filter"];
+
+/// The first choice's `finish_reason` in a JSON answer or chunk, when it is one of the known
+/// reasons (a byte search: the engine writes `"finish_reason":"stop"` with no spaces).
+pub fn finish_reason(json: &[u8]) -> Option<&'static str> {
+    const FIELD: &[u8] = b"\"finish_reason\":\"";
+    let at = json.windows(FIELD.len()).position(|w| w == FIELD)? + FIELD.len();
+    let rest = &json[at..];
+    FINISH_REASONS
+        .iter()
+        .copied()
+        .find(|r| rest.len() > r.len() && rest.starts_with(r.as_bytes()) && rest[r.len()] == b'"')
 }
 
 /// A JSON object's `usage` member (the last one, as `serde_json::Value` keeps); every other
@@ -265,6 +287,10 @@ pub struct Served {
     pub usage: Option<Usage>,
     /// Chunks relayed that carried a choice (one generated token each).
     pub chunks: u64,
+    /// The last finish reason seen.
+    pub finish_reason: Option<&'static str>,
+    /// When the first chunk with a choice was relayed.
+    pub first_chunk: Option<std::time::Instant>,
 }
 
 impl Served {
@@ -446,15 +472,29 @@ impl SseEvents {
                             continue;
                         }
                     } else {
-                        self.served.chunks += 1;
+                        self.choice(p);
                     }
                 } else if contains(p, b"\"choices\":[{") {
-                    self.served.chunks += 1;
+                    self.choice(p);
                 }
             }
             out.extend_from_slice(&event);
         }
         (!out.is_empty()).then(|| out.freeze())
+    }
+
+    /// Counts a chunk with a choice: one more token, maybe the first, maybe the last.
+    fn choice(&mut self, chunk: &[u8]) {
+        self.served.chunks += 1;
+        if self.served.first_chunk.is_none() {
+            self.served.first_chunk = Some(std::time::Instant::now());
+        }
+        if let Some(r) = contains(chunk, b"\"finish_reason\":\"")
+            .then(|| finish_reason(chunk))
+            .flatten()
+        {
+            self.served.finish_reason = Some(r);
+        }
     }
 
     /// What the events so far served.

@@ -41,6 +41,8 @@ pub enum ErrorCode {
     RequestTooLarge,
     /// 429: a rate limit or concurrency limit was hit.
     RateLimitExceeded,
+    /// 429: a monthly budget (tokens or cost) is used up; it renews with the month.
+    InsufficientQuota,
     /// 500: a bug or an engine failure.
     InternalError,
     /// 503: the server is draining.
@@ -72,6 +74,7 @@ impl ErrorCode {
             ErrorCode::RequestTimeout => "request_timeout",
             ErrorCode::RequestTooLarge => "request_too_large",
             ErrorCode::RateLimitExceeded => "rate_limit_exceeded",
+            ErrorCode::InsufficientQuota => "insufficient_quota",
             ErrorCode::InternalError => "internal_error",
             ErrorCode::Draining => "draining",
             ErrorCode::NoHealthyEngine => "no_healthy_engine",
@@ -95,7 +98,7 @@ impl ErrorCode {
             ErrorCode::MethodNotAllowed => 405,
             ErrorCode::RequestTimeout => 408,
             ErrorCode::RequestTooLarge => 413,
-            ErrorCode::RateLimitExceeded => 429,
+            ErrorCode::RateLimitExceeded | ErrorCode::InsufficientQuota => 429,
             ErrorCode::InternalError => 500,
             ErrorCode::Draining | ErrorCode::NoHealthyEngine | ErrorCode::ServiceUnavailable => 503,
             ErrorCode::Timeout => 504,
@@ -252,6 +255,12 @@ impl ApiError {
     /// 429: a limit was hit; retry after `retry_after` seconds.
     pub fn rate_limited(message: impl Into<String>, retry_after: u64) -> Self {
         ApiError::new(ErrorCode::RateLimitExceeded, message).with_retry_after(retry_after)
+    }
+
+    /// 429: a monthly budget is used up (OpenAI's `insufficient_quota`); retrying before the
+    /// budget renews or is raised will not help, so there is no `Retry-After`.
+    pub fn budget_exceeded(message: impl Into<String>) -> Self {
+        ApiError::new(ErrorCode::InsufficientQuota, message)
     }
 
     /// 500: something failed on our side. The message must not leak internals or prompts.
