@@ -29,6 +29,8 @@
 //! [[engines]]
 //! name = "engine-0"
 //! url = "http://127.0.0.1:8081"
+//! usage_ledger = true                # record every request (docs/tenancy.md); false: no ledger,
+//!                                    # and no budgets
 //! [prices."smollm2-135m-instruct"]   # USD per million tokens, per model (a tenant's own
 //! prompt = 0.10                      # `prices` win); cached prompt tokens priced apart
 //! cached_prompt = 0.02               # (default: the prompt price)
@@ -101,6 +103,10 @@ pub struct GatewayConfig {
     /// Model id -> prices (the ledger's costs and cost budgets); a model with none costs 0.
     #[serde(default)]
     pub prices: std::collections::BTreeMap<String, crate::usage::Prices>,
+    /// Record every admitted request in the usage ledger (which budgets are checked against:
+    /// with the ledger off, budgets are not enforced).
+    #[serde(default = "default_true")]
+    pub usage_ledger: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -151,6 +157,9 @@ fn default_header_timeout() -> u64 {
 }
 fn default_max_connections() -> usize {
     4096
+}
+fn default_true() -> bool {
+    true
 }
 fn default_key_ttl() -> u64 {
     30
@@ -321,6 +330,7 @@ impl std::fmt::Debug for GatewayConfig {
             .field("routing", &self.routing)
             .field("engines", &self.engines)
             .field("prices", &self.prices)
+            .field("usage_ledger", &self.usage_ledger)
             .finish()
     }
 }

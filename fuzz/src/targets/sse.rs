@@ -14,7 +14,7 @@
 use super::{ensure, signature, Target, Violation};
 use crate::corpus::Corpus;
 use crate::rng::Rng;
-use kvgate_gateway::upstream::proxy::{usage, Served, SseEvents, MAX_EVENT_BYTES};
+use kvgate_gateway::upstream::proxy::{finish_reason, usage, Served, SseEvents, MAX_EVENT_BYTES};
 
 /// Engine streams.
 #[derive(Debug)]
@@ -335,6 +335,14 @@ struct Model {
 }
 
 impl Model {
+    /// A chunk with a choice: one token, and maybe the finish reason.
+    fn token(&mut self, chunk: &[u8]) {
+        self.served.chunks += 1;
+        if let Some(r) = finish_reason(chunk) {
+            self.served.finish_reason = Some(r);
+        }
+    }
+
     fn run(stream: &[u8], events: &[Event], fed: usize, wants_usage: bool) -> Model {
         let mut m = Model::default();
         for e in events.iter().take_while(|e| e.end <= fed) {
@@ -359,10 +367,10 @@ impl Model {
                             continue;
                         }
                     } else {
-                        m.served.chunks += 1;
+                        m.token(p);
                     }
                 } else if contains(p, b"\"choices\":[{") {
-                    m.served.chunks += 1;
+                    m.token(p);
                 }
             }
             m.out.extend_from_slice(event);

@@ -280,8 +280,9 @@ pub enum StreamEnd {
     ClientGone,
 }
 
-/// What a stream served, as far as the gateway saw it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What a stream served, as far as the gateway saw it. Two are equal when they served the same
+/// (when the first chunk went out is not compared).
+#[derive(Debug, Clone, Copy, Default)]
 pub struct Served {
     /// The engine's final usage, when the stream got that far.
     pub usage: Option<Usage>,
@@ -292,6 +293,15 @@ pub struct Served {
     /// When the first chunk with a choice was relayed.
     pub first_chunk: Option<std::time::Instant>,
 }
+
+impl PartialEq for Served {
+    fn eq(&self, other: &Served) -> bool {
+        (self.usage, self.chunks, self.finish_reason)
+            == (other.usage, other.chunks, other.finish_reason)
+    }
+}
+
+impl Eq for Served {}
 
 impl Served {
     /// Completion tokens served: the engine's count when it reported one, else the relayed
