@@ -338,10 +338,10 @@ async fn write_ledger(gw: Weak<Gateway>, ledger: Arc<Ledger>) {
             None => {
                 let batch = ledger.take_batch();
                 if batch.is_empty() {
-                    // Woken by a push (a push while nobody waits leaves a permit); the timeout
-                    // lets the task notice that the gateway is gone.
+                    // Every LEDGER_FLUSH, or at once when a push fills a batch (a push while
+                    // nobody waits leaves a permit); and it notices when the gateway is gone.
                     let wake = ledger.wake.notified();
-                    let _ = tokio::time::timeout(Duration::from_secs(1), wake).await;
+                    let _ = tokio::time::timeout(crate::usage::LEDGER_FLUSH, wake).await;
                     if gw.strong_count() == 0 {
                         return;
                     }

@@ -27,6 +27,9 @@ use std::sync::Mutex;
 pub const LEDGER_BUFFER: usize = 50_000;
 /// Records sent to the store in one call.
 const LEDGER_BATCH: usize = 256;
+/// How often the writer sends what has queued up: a record reaches the store within about this
+/// long after its request ends (budgets see it then).
+pub const LEDGER_FLUSH: std::time::Duration = std::time::Duration::from_millis(20);
 /// Records the store's stream keeps (approximately: trimmed in whole nodes).
 pub const STREAM_RETENTION: u64 = 1_000_000;
 /// The highest price accepted, USD per million tokens.
@@ -209,37 +212,111 @@ pub fn record_id() -> String {
     format!("u_{p:016x}{:x}", NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
-/// The daily aggregate's increments for one record.
-pub fn day_fields(r: &UsageRecord) -> Vec<(String, u64)> {
-    let counts = [
-        ("requests", 1),
-        ("prompt", r.prompt_tokens),
-        ("cached", r.cached_tokens),
-        ("completion", r.completion_tokens),
-        ("cost", r.cost_micros),
-    ];
-    let mut out = Vec::with_capacity(15);
-    for (name, v) in counts {
-        let v = v.min(MAX_COUNT);
-        out.push((name.to_owned(), v));
-        out.push((format!("k:{}:{name}", r.key_id), v));
-        out.push((format!("m:{}:{name}", r.model), v));
-    }
-    out
+/// The counts a day's aggregate keeps, in total, per key and per model.
+const DAY_FIELDS: [&str; 5] = ["requests", "prompt", "cached", "completion", "cost"];
+
+/// What a batch adds to one aggregate: the tenant, the period (`YYYY-MM-DD` or `YYYY-MM`) and
+/// field -> count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Increment {
+    pub tenant: String,
+    pub period: String,
+    pub fields: Vec<(String, u64)>,
 }
 
-/// The monthly aggregate's increments for one record (what budgets read). A key's spend is
-/// counted under its lineage (the first key of a rotation chain), so a rotated key's successor
-/// continues its budget rather than starting a fresh one.
-pub fn month_fields(r: &UsageRecord) -> Vec<(String, u64)> {
-    let (tokens, cost) = (r.tokens().min(MAX_COUNT), r.cost_micros.min(MAX_COUNT));
-    let lineage = r.key_lineage.as_deref().unwrap_or(&r.key_id);
-    vec![
-        ("tokens".to_owned(), tokens),
-        ("cost".to_owned(), cost),
-        (format!("k:{lineage}:tokens"), tokens),
-        (format!("k:{lineage}:cost"), cost),
-    ]
+impl Increment {
+    /// Whether the period is a day (else a month).
+    pub fn is_day(&self) -> bool {
+        self.period.len() == 10
+    }
+}
+
+/// A batch's additions to its tenants' aggregates, merged: one [`Increment`] per tenant and day
+/// and per tenant and month, each field once.
+///
+/// - a day: `requests`, `prompt`, `cached`, `completion`, `cost`, and the same per key
+///   (`k:{key}:{field}`) and per model (`m:{model}:{field}`);
+/// - a month (what budgets read): `tokens`, `cost`, and the same per key lineage
+///   (`k:{lineage}:tokens`, `k:{lineage}:cost`: a rotated key's successor continues its
+///   budget).
+///
+/// Records are merged by borrowed keys, so a batch costs a few hash lookups per record and its
+/// field names are made once per group. Every count is capped at [`MAX_COUNT`].
+pub fn increments(records: &[UsageRecord]) -> Vec<Increment> {
+    type Counts = [u64; 5];
+    #[derive(Default)]
+    struct Day<'a> {
+        total: Counts,
+        keys: HashMap<&'a str, Counts>,
+        models: HashMap<&'a str, Counts>,
+    }
+    #[derive(Default)]
+    struct Month<'a> {
+        total: [u64; 2],
+        keys: HashMap<&'a str, [u64; 2]>,
+    }
+    let add = |into: &mut [u64], from: &[u64]| {
+        for (a, b) in into.iter_mut().zip(from) {
+            *a = a.saturating_add(*b).min(MAX_COUNT);
+        }
+    };
+    let mut days: HashMap<(&str, i64), Day> = HashMap::new();
+    let mut months: HashMap<(&str, i64, u32), Month> = HashMap::new();
+    for r in records {
+        let day = (r.at_ms / 1000 / 86_400) as i64;
+        let (y, m, _) = civil(day);
+        let counts = [
+            1,
+            r.prompt_tokens,
+            r.cached_tokens,
+            r.completion_tokens,
+            r.cost_micros,
+        ]
+        .map(|v| v.min(MAX_COUNT));
+        let d = days.entry((r.tenant.as_str(), day)).or_default();
+        add(&mut d.total, &counts);
+        add(d.keys.entry(r.key_id.as_str()).or_default(), &counts);
+        add(d.models.entry(r.model.as_str()).or_default(), &counts);
+        let spend = [r.tokens().min(MAX_COUNT), counts[4]];
+        let mo = months.entry((r.tenant.as_str(), y, m)).or_default();
+        add(&mut mo.total, &spend);
+        let lineage = r.key_lineage.as_deref().unwrap_or(&r.key_id);
+        add(mo.keys.entry(lineage).or_default(), &spend);
+    }
+    let mut out = Vec::with_capacity(days.len() + months.len());
+    for ((tenant, day), d) in days {
+        let mut fields = Vec::with_capacity(5 * (1 + d.keys.len() + d.models.len()));
+        for (i, name) in DAY_FIELDS.iter().enumerate() {
+            fields.push(((*name).to_owned(), d.total[i]));
+            for (k, c) in &d.keys {
+                fields.push((format!("k:{k}:{name}"), c[i]));
+            }
+            for (model, c) in &d.models {
+                fields.push((format!("m:{model}:{name}"), c[i]));
+            }
+        }
+        out.push(Increment {
+            tenant: tenant.to_owned(),
+            period: day_name(day),
+            fields,
+        });
+    }
+    for ((tenant, y, m), mo) in months {
+        let mut fields = vec![
+            ("tokens".to_owned(), mo.total[0]),
+            ("cost".to_owned(), mo.total[1]),
+        ];
+        for (k, c) in &mo.keys {
+            fields.push((format!("k:{k}:tokens"), c[0]));
+            fields.push((format!("k:{k}:cost"), c[1]));
+        }
+        out.push(Increment {
+            tenant: tenant.to_owned(),
+            period: format!("{y:04}-{m:02}"),
+            fields,
+        });
+    }
+    out
 }
 
 /// This month's spend of a tenant (`key: None`) or one of its keys, from a monthly aggregate.
@@ -351,6 +428,11 @@ impl Ledger {
                 return;
             }
             q.push_back(record);
+            // The writer wakes on its own every [`LEDGER_FLUSH`]; a full batch wakes it early.
+            // (Waking it for every record would cost each request a cross-thread wake-up.)
+            if q.len() < LEDGER_BATCH {
+                return;
+            }
         }
         self.wake.notify_one();
     }
@@ -463,15 +545,32 @@ mod tests {
     }
 
     #[test]
-    fn aggregates_split_by_key_and_model() {
-        let r = rec(100, 40, 10);
-        let day: HashMap<String, u64> = day_fields(&r).into_iter().collect();
-        assert_eq!(day["requests"], 1);
+    fn aggregates_split_by_key_and_model_and_merge_a_batch() {
+        let a = rec(100, 40, 10);
+        let mut b = rec(50, 0, 5);
+        b.key_id = "key_2".into();
+        b.key_lineage = Some("key_1".into());
+        let inc = increments(&[a, b]);
+        assert_eq!(inc.len(), 2);
+        let day: HashMap<String, u64> = inc
+            .iter()
+            .find(|i| i.is_day())
+            .unwrap()
+            .fields
+            .iter()
+            .cloned()
+            .collect();
+        assert_eq!(day["requests"], 2);
         assert_eq!(day["k:key_1:prompt"], 100);
+        assert_eq!(day["k:key_2:prompt"], 50);
         assert_eq!(day["m:m:v1:cached"], 40);
-        let month: HashMap<String, u64> = month_fields(&r).into_iter().collect();
-        assert_eq!(spent(&month, None).tokens, 110);
-        assert_eq!(spent(&month, Some("key_1")).tokens, 110);
+        assert_eq!(day["m:m:v1:requests"], 2);
+        let month_inc = inc.iter().find(|i| !i.is_day()).unwrap();
+        assert_eq!(month_inc.period, "2025-12");
+        let month: HashMap<String, u64> = month_inc.fields.iter().cloned().collect();
+        assert_eq!(spent(&month, None).tokens, 165);
+        // key_2 continues key_1's budget.
+        assert_eq!(spent(&month, Some("key_1")).tokens, 165);
         assert_eq!(spent(&month, Some("key_2")), Spent::default());
     }
 

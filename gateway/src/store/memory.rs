@@ -14,7 +14,7 @@
 use super::{Admission, RecordQuery, Refusal, Store, StoreError, RECORDS_READ_MAX, SCHEMA_VERSION};
 use crate::audit::{AuditEntry, AuditQuery, AUDIT_READ_MAX, AUDIT_RETENTION};
 use crate::tenant::{EngineRecord, KeyHash, KeyRecord, OperatorToken, RateLimits, Tenant};
-use crate::usage::{day_fields, month_fields, spent, Spent, UsageRecord};
+use crate::usage::{increments, spent, Spent, UsageRecord};
 use async_trait::async_trait;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Mutex, MutexGuard};
@@ -40,9 +40,11 @@ struct Inner {
     keys: HashMap<[u8; 32], KeyRecord>,
     engines: BTreeMap<String, EngineRecord>,
     limits: HashMap<String, Buckets>,
-    /// The ledger's newest records, at most [`MEMORY_RECORDS`], and their ids.
+    /// The ledger's newest records, at most [`MEMORY_RECORDS`].
     records: VecDeque<UsageRecord>,
-    recorded: HashSet<String>,
+    /// The newest batch ids recorded, at most [`MEMORY_BATCHES`].
+    batches: HashSet<String>,
+    batch_order: VecDeque<String>,
     /// (tenant, day or month) -> field -> count.
     aggregates: HashMap<(String, String), HashMap<String, u64>>,
     audit: VecDeque<AuditEntry>,
@@ -52,6 +54,8 @@ struct Inner {
 
 /// Ledger records the in-process store keeps (the aggregates keep everything).
 pub const MEMORY_RECORDS: usize = 100_000;
+/// Batch ids the in-process store remembers, against a batch counted twice.
+const MEMORY_BATCHES: usize = 4096;
 
 /// One tenant's rate-limit state.
 #[derive(Debug, Default)]
@@ -293,32 +297,35 @@ impl Store for MemoryStore {
 
     async fn record_usage(
         &self,
-        _batch_id: &str,
+        batch_id: &str,
         records: &[UsageRecord],
     ) -> Result<(), StoreError> {
-        // In process, no answer is lost: a record id seen before is the only retry to skip.
+        // The trait's contract: a batch sent again (here only by a caller's mistake: in process
+        // no answer is lost) counts once. The newest batch ids are remembered.
         let mut inner = self.lock();
-        for r in records {
-            if !inner.recorded.insert(r.id.clone()) {
-                continue;
-            }
-            for (period, fields) in [(r.day(), day_fields(r)), (r.month(), month_fields(r))] {
-                let agg = inner
-                    .aggregates
-                    .entry((r.tenant.clone(), period))
-                    .or_default();
-                for (f, v) in fields {
-                    let n = agg.entry(f).or_insert(0);
-                    *n = n.saturating_add(v);
-                }
-            }
-            inner.records.push_back(r.clone());
-            if inner.records.len() > MEMORY_RECORDS {
-                if let Some(old) = inner.records.pop_front() {
-                    inner.recorded.remove(&old.id);
-                }
+        if inner.batches.contains(batch_id) {
+            return Ok(());
+        }
+        inner.batches.insert(batch_id.to_owned());
+        inner.batch_order.push_back(batch_id.to_owned());
+        if inner.batch_order.len() > MEMORY_BATCHES {
+            if let Some(old) = inner.batch_order.pop_front() {
+                inner.batches.remove(&old);
             }
         }
+        for inc in increments(records) {
+            let agg = inner
+                .aggregates
+                .entry((inc.tenant, inc.period))
+                .or_default();
+            for (f, v) in inc.fields {
+                let n = agg.entry(f).or_insert(0);
+                *n = n.saturating_add(v);
+            }
+        }
+        inner.records.extend(records.iter().cloned());
+        let over = inner.records.len().saturating_sub(MEMORY_RECORDS);
+        inner.records.drain(..over);
         Ok(())
     }
 

@@ -44,7 +44,7 @@ use super::{
 };
 use crate::audit::{AuditEntry, AuditQuery, AUDIT_READ_MAX, AUDIT_RETENTION};
 use crate::tenant::{EngineRecord, KeyHash, KeyRecord, OperatorToken, RateLimits, Tenant};
-use crate::usage::{day_fields, month_fields, Spent, UsageRecord, STREAM_RETENTION};
+use crate::usage::{increments, Spent, UsageRecord, STREAM_RETENTION};
 use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncCommands, RedisError, Script};
@@ -118,32 +118,26 @@ fn operator_name_key(name: &str) -> String {
     format!("kvgate:optoken_name:{name}")
 }
 
-/// KEYS: stream, batch marker, usage tenants. ARGV: stream retention, marker ttl, day ttl, month
-/// ttl, then per record: id, JSON, tenant, day aggregate key, month aggregate key, N, N (field,
-/// count) pairs for the day, M, M pairs for the month. Returns 0 when the batch was recorded
-/// before, else 1. The marker is set last and every count is below 2^53 (checked by the
-/// gateway), so a script that runs runs whole. The aggregates' keys are undeclared: one Redis
-/// primary, as for the other scripts.
+/// KEYS: stream, batch marker, usage tenants. ARGV: stream retention, marker ttl, the number of
+/// records R, R (id, JSON) pairs, then per aggregate: its key, its ttl, its tenant, N, and N
+/// (field, count) pairs. Returns 0 when the batch was recorded before, else 1. The marker is set
+/// last and every count is below 2^53 (capped by the gateway), so a script that runs runs whole.
+/// The aggregates' keys are undeclared: one Redis primary, as for the other scripts.
 const RECORD_LUA: &str = r"
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-local i = 5
+local i = 4
+for _ = 1, tonumber(ARGV[3]) do
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'id', ARGV[i], 'r', ARGV[i + 1])
+  i = i + 2
+end
 while i <= #ARGV do
-  local id, json, tenant, day, month = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
-  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'id', id, 'r', json)
-  local n = tonumber(ARGV[i + 5])
-  i = i + 6
+  local key, ttl, tenant, n = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
+  i = i + 4
   for _ = 1, n do
-    redis.call('HINCRBY', day, ARGV[i], ARGV[i + 1])
+    redis.call('HINCRBY', key, ARGV[i], ARGV[i + 1])
     i = i + 2
   end
-  n = tonumber(ARGV[i])
-  i = i + 1
-  for _ = 1, n do
-    redis.call('HINCRBY', month, ARGV[i], ARGV[i + 1])
-    i = i + 2
-  end
-  redis.call('EXPIRE', day, ARGV[3])
-  redis.call('EXPIRE', month, ARGV[4])
+  redis.call('EXPIRE', key, ttl)
   redis.call('SADD', KEYS[3], tenant)
 end
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])
@@ -680,24 +674,24 @@ impl Store for RedisStore {
         let mut args: Vec<String> = vec![
             STREAM_RETENTION.to_string(),
             RECORDED_TTL_SECS.to_string(),
-            DAY_TTL_SECS.to_string(),
-            MONTH_TTL_SECS.to_string(),
+            records.len().to_string(),
         ];
         for r in records {
-            let (day, month) = (day_fields(r), month_fields(r));
+            args.extend([r.id.clone(), encode(r)]);
+        }
+        for inc in increments(records) {
+            let ttl = if inc.is_day() {
+                DAY_TTL_SECS
+            } else {
+                MONTH_TTL_SECS
+            };
             args.extend([
-                r.id.clone(),
-                encode(r),
-                r.tenant.clone(),
-                usage_key(&r.tenant, &r.day()),
-                usage_key(&r.tenant, &r.month()),
-                day.len().to_string(),
+                usage_key(&inc.tenant, &inc.period),
+                ttl.to_string(),
+                inc.tenant,
+                inc.fields.len().to_string(),
             ]);
-            for (f, v) in day {
-                args.extend([f, v.to_string()]);
-            }
-            args.push(month.len().to_string());
-            for (f, v) in month {
+            for (f, v) in inc.fields {
                 args.extend([f, v.to_string()]);
             }
         }
