@@ -715,3 +715,25 @@ fn the_ledger_and_budgets_ride_out_a_redis_outage() {
     let all = wait_records(&gw, 4);
     assert!(all.iter().all(|r| r["ending"] == "completed"), "{all:?}");
 }
+
+#[test]
+fn with_the_ledger_off_nothing_is_recorded_and_budgets_are_off() {
+    let engine = gated_engine("blocks = 1024");
+    let mut cfg = config(&[("e0", engine.addr)]);
+    cfg.usage_ledger = false;
+    let gw = TestGateway::start(cfg, StoreKind::Memory);
+    gw.wait_ready(1);
+    let key = gw.tenant("acme", json!({"budget": {"monthly_tokens": 0}}));
+    for _ in 0..3 {
+        let r = gw.chat(&key, None, "Hi", r#","max_tokens":1"#);
+        assert_eq!(
+            r.status, 200,
+            "a zero budget is not enforced without the ledger: {}",
+            r.body
+        );
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(records(&gw).is_empty());
+    let usage = gw.admin("GET", "/admin/usage", "").json();
+    assert_eq!(usage["totals"]["requests"], 0, "{usage}");
+}
