@@ -60,7 +60,14 @@ impl PostgresServer {
             .and_then(|l| l.local_addr())
             .expect("probe a free port")
             .port();
-        let dir = std::env::temp_dir().join(format!("kvgate-pg-{}-{port}", std::process::id()));
+        // As root the server runs as `postgres`, which must reach the directory: /tmp, not a
+        // TMPDIR that may be private to root.
+        let base = if is_root() {
+            PathBuf::from("/tmp")
+        } else {
+            std::env::temp_dir()
+        };
+        let dir = base.join(format!("kvgate-pg-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("postgres dir");
         if is_root() {
