@@ -705,17 +705,9 @@ async fn usage_report(gw: &Gateway, query: &str) -> Result<Response<RespBody>, A
         ));
     }
     let group_by = query_param(query, "group_by").unwrap_or("tenant");
-    let prefix = match group_by {
-        "tenant" | "day" => None,
-        "key" => Some("k:"),
-        "model" => Some("m:"),
-        _ => {
-            return Err(ApiError::invalid_value(
-                "group_by",
-                "group_by is one of tenant, day, key and model.",
-            ))
-        }
-    };
+    let group = usage::GroupBy::parse(group_by).ok_or_else(|| {
+        ApiError::invalid_value("group_by", "group_by is one of tenant, day, key and model.")
+    })?;
     let tenants = match query_param(query, "tenant") {
         Some(t) if valid_id(t) => vec![t.to_owned()],
         Some(_) => return Err(ApiError::invalid_value("tenant", "Not a tenant id.")),
@@ -725,9 +717,7 @@ async fn usage_report(gw: &Gateway, query: &str) -> Result<Response<RespBody>, A
             .collect(),
     };
     let days: Vec<String> = (since..=until).map(usage::day_name).collect();
-    // (tenant, group) -> field -> sum.
-    let mut rows: BTreeMap<(String, String), BTreeMap<String, u64>> = BTreeMap::new();
-    let mut totals: BTreeMap<String, u64> = BTreeMap::new();
+    let mut report = usage::Report::new(group);
     for tenant in &tenants {
         let aggregates = gw
             .store
@@ -735,50 +725,17 @@ async fn usage_report(gw: &Gateway, query: &str) -> Result<Response<RespBody>, A
             .await
             .map_err(store_err)?;
         for (day, agg) in days.iter().zip(aggregates) {
-            for (field, v) in agg {
-                if !field.contains(':') {
-                    *totals.entry(field.clone()).or_insert(0) += v;
-                }
-                let (group, name) = match prefix {
-                    None if field.contains(':') => continue,
-                    None => {
-                        let group = if group_by == "day" {
-                            day.clone()
-                        } else {
-                            String::new()
-                        };
-                        (group, field)
-                    }
-                    Some(p) => {
-                        let Some(rest) = field.strip_prefix(p) else {
-                            continue;
-                        };
-                        // Model ids may hold ':'; the field name is after the last one.
-                        let Some((group, name)) = rest.rsplit_once(':') else {
-                            continue;
-                        };
-                        (group.to_owned(), name.to_owned())
-                    }
-                };
-                *rows
-                    .entry((tenant.clone(), group))
-                    .or_default()
-                    .entry(name)
-                    .or_insert(0) += v;
-            }
+            report.add(tenant, day, agg);
         }
     }
-    let group_key = match group_by {
-        "tenant" => None,
-        other => Some(other),
-    };
-    let rows: Vec<Value> = rows
-        .into_iter()
-        .map(|((tenant, group), fields)| {
-            let mut row = usage_row(&fields);
+    let rows: Vec<Value> = report
+        .rows
+        .iter()
+        .map(|((tenant, key), fields)| {
+            let mut row = usage_row(fields);
             row["tenant"] = json!(tenant);
-            if let Some(k) = group_key {
-                row[k] = json!(group);
+            if group != usage::GroupBy::Tenant {
+                row[group_by] = json!(key);
             }
             row
         })
@@ -788,7 +745,7 @@ async fn usage_report(gw: &Gateway, query: &str) -> Result<Response<RespBody>, A
         "until": usage::day_name(until),
         "group_by": group_by,
         "rows": rows,
-        "totals": usage_row(&totals),
+        "totals": usage_row(&report.totals),
     })))
 }
 
@@ -848,9 +805,7 @@ fn engine_view(gw: &Gateway, e: &Engine) -> Value {
 }
 
 fn wait_secs(query: &str) -> u64 {
-    query
-        .split('&')
-        .find_map(|kv| kv.strip_prefix("wait="))
+    query_param(query, "wait")
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
         .min(3600)

@@ -331,13 +331,13 @@ async fn write_ledger(gw: Weak<Gateway>, ledger: Arc<Ledger>) {
     let mut pause = Duration::from_millis(100);
     // A batch the store did not take, retried as it is, under its id, so that a batch the store
     // took but whose answer was lost is recognised and not counted twice.
-    let mut held: Option<(String, Vec<crate::usage::UsageRecord>)> = None;
+    let mut held: Option<crate::usage::Batch> = None;
     loop {
-        let (id, batch) = match held.take() {
+        let batch = match held.take() {
             Some(b) => b,
             None => {
                 let batch = ledger.take_batch();
-                if batch.is_empty() {
+                if batch.records.is_empty() {
                     // Every LEDGER_FLUSH, or at once when a push fills a batch (a push while
                     // nobody waits leaves a permit); and it notices when the gateway is gone.
                     let wake = ledger.wake.notified();
@@ -347,21 +347,22 @@ async fn write_ledger(gw: Weak<Gateway>, ledger: Arc<Ledger>) {
                     }
                     continue;
                 }
-                (crate::usage::record_id(), batch)
+                batch
             }
         };
         let Some(g) = gw.upgrade() else { return };
-        let n = batch.len() as u64;
-        match g.store.record_usage(&id, &batch).await {
+        let n = batch.records.len() as u64;
+        match g.store.record_usage(&batch.id, &batch.records).await {
             Ok(()) => {
                 ledger.written.fetch_add(n, Ordering::Relaxed);
-                ledger.in_flight.fetch_sub(n, Ordering::SeqCst);
+                // Dropping the batch takes its records out of the pending count.
+                drop(batch);
                 pause = Duration::from_millis(100);
             }
             Err(e) => {
                 g.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %e, records = n, "usage ledger write failed; will retry");
-                held = Some((id, batch));
+                held = Some(batch);
                 drop(g);
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(5));

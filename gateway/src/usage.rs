@@ -19,9 +19,9 @@
 //! million tokens times a token count is already in micro-dollars.
 
 use serde::{Deserialize, Serialize};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// Records held in memory while the store cannot take them; past this they are dropped.
 pub const LEDGER_BUFFER: usize = 50_000;
@@ -192,16 +192,6 @@ impl UsageRecord {
     pub fn tokens(&self) -> u64 {
         self.prompt_tokens.saturating_add(self.completion_tokens)
     }
-
-    /// Its day (`YYYY-MM-DD`, UTC).
-    pub fn day(&self) -> String {
-        day_of(self.at_ms / 1000)
-    }
-
-    /// Its month (`YYYY-MM`, UTC).
-    pub fn month(&self) -> String {
-        month_of(self.at_ms / 1000)
-    }
 }
 
 /// A fresh record id: `u_` + 16 random hex digits + a process counter.
@@ -319,6 +309,81 @@ pub fn increments(records: &[UsageRecord]) -> Vec<Increment> {
     out
 }
 
+/// How a usage report groups a tenant's days.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupBy {
+    Tenant,
+    Day,
+    Key,
+    Model,
+}
+
+impl GroupBy {
+    pub fn parse(s: &str) -> Option<GroupBy> {
+        match s {
+            "tenant" => Some(GroupBy::Tenant),
+            "day" => Some(GroupBy::Day),
+            "key" => Some(GroupBy::Key),
+            "model" => Some(GroupBy::Model),
+            _ => None,
+        }
+    }
+}
+
+/// Daily aggregates summed into rows: (tenant, group) -> field -> count, where the group is the
+/// day, the key, the model, or nothing (one row per tenant); and the totals over everything.
+#[derive(Debug)]
+pub struct Report {
+    group: GroupBy,
+    pub rows: BTreeMap<(String, String), BTreeMap<String, u64>>,
+    pub totals: BTreeMap<String, u64>,
+}
+
+impl Report {
+    pub fn new(group: GroupBy) -> Report {
+        Report {
+            group,
+            rows: BTreeMap::new(),
+            totals: BTreeMap::new(),
+        }
+    }
+
+    /// Adds one tenant's daily aggregate ([`increments`] names its fields).
+    pub fn add(&mut self, tenant: &str, day: &str, aggregate: HashMap<String, u64>) {
+        let prefix = match self.group {
+            GroupBy::Key => Some("k:"),
+            GroupBy::Model => Some("m:"),
+            GroupBy::Tenant | GroupBy::Day => None,
+        };
+        for (field, v) in aggregate {
+            let total = !field.contains(':');
+            if total {
+                *self.totals.entry(field.clone()).or_insert(0) += v;
+            }
+            let (group, name) = match prefix {
+                None if !total => continue,
+                None if self.group == GroupBy::Day => (day.to_owned(), field),
+                None => (String::new(), field),
+                Some(p) => {
+                    // Model ids may hold ':'; the field name is after the last one.
+                    let Some((group, name)) =
+                        field.strip_prefix(p).and_then(|rest| rest.rsplit_once(':'))
+                    else {
+                        continue;
+                    };
+                    (group.to_owned(), name.to_owned())
+                }
+            };
+            *self
+                .rows
+                .entry((tenant.to_owned(), group))
+                .or_default()
+                .entry(name)
+                .or_insert(0) += v;
+        }
+    }
+}
+
 /// This month's spend of a tenant (`key: None`) or one of its keys, from a monthly aggregate.
 pub fn spent(month: &HashMap<String, u64>, key: Option<&str>) -> Spent {
     let get = |f: &str| month.get(f).copied().unwrap_or(0);
@@ -407,7 +472,7 @@ pub struct Ledger {
     queue: Mutex<VecDeque<UsageRecord>>,
     pub(crate) wake: tokio::sync::Notify,
     /// Records sent to the store: a batch taken from the queue until the store has it.
-    pub(crate) in_flight: AtomicU64,
+    in_flight: Arc<AtomicU64>,
     /// Records dropped (the buffer was full) and written, for the metrics.
     pub dropped: AtomicU64,
     pub written: AtomicU64,
@@ -446,12 +511,33 @@ impl Ledger {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Takes the next batch to write; it counts as pending until the writer has it stored.
-    pub(crate) fn take_batch(&self) -> Vec<UsageRecord> {
+    /// Takes the next batch to write, under a fresh batch id; its records count as pending
+    /// until the batch is dropped (stored, or its writer gone).
+    pub(crate) fn take_batch(&self) -> Batch {
         let mut q = self.lock();
         let n = q.len().min(LEDGER_BATCH);
         self.in_flight.fetch_add(n as u64, Ordering::SeqCst);
-        q.drain(..n).collect()
+        Batch {
+            id: record_id(),
+            records: q.drain(..n).collect(),
+            in_flight: self.in_flight.clone(),
+        }
+    }
+}
+
+/// Records on their way to the store, counted in the ledger's pending records until dropped.
+#[derive(Debug)]
+pub(crate) struct Batch {
+    /// The store recognises a batch sent again under the same id.
+    pub id: String,
+    pub records: Vec<UsageRecord>,
+    in_flight: Arc<AtomicU64>,
+}
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        self.in_flight
+            .fetch_sub(self.records.len() as u64, Ordering::SeqCst);
     }
 }
 
@@ -575,6 +661,27 @@ mod tests {
     }
 
     #[test]
+    fn a_report_groups_by_key_and_by_a_model_with_colons() {
+        let mut b = rec(50, 0, 5);
+        b.key_id = "key_2".into();
+        let inc = increments(&[rec(100, 40, 10), b]);
+        let day = inc.into_iter().find(Increment::is_day).unwrap();
+        let agg: HashMap<String, u64> = day.fields.into_iter().collect();
+        let mut by_model = Report::new(GroupBy::Model);
+        by_model.add("acme", "2025-12-02", agg.clone());
+        let row = &by_model.rows[&("acme".to_owned(), "m:v1".to_owned())];
+        assert_eq!((row["requests"], row["prompt"]), (2, 150));
+        assert_eq!(by_model.totals["completion"], 15);
+        let mut by_key = Report::new(GroupBy::Key);
+        by_key.add("acme", "2025-12-02", agg);
+        assert_eq!(by_key.rows.len(), 2);
+        assert_eq!(
+            by_key.rows[&("acme".to_owned(), "key_2".to_owned())]["prompt"],
+            50
+        );
+    }
+
+    #[test]
     fn calendar_days_and_months() {
         assert_eq!(day_of(0), "1970-01-01");
         assert_eq!(day_of(1_764_633_600), "2025-12-02");
@@ -599,9 +706,11 @@ mod tests {
         }
         assert_eq!(l.pending(), LEDGER_BUFFER);
         assert_eq!(l.dropped.load(Ordering::Relaxed), 3);
-        // A batch being written still counts as pending.
+        // A batch being written still counts as pending, until it is dropped.
         let batch = l.take_batch();
-        assert_eq!(batch.len(), LEDGER_BATCH);
+        assert_eq!(batch.records.len(), LEDGER_BATCH);
         assert_eq!(l.pending(), LEDGER_BUFFER);
+        drop(batch);
+        assert_eq!(l.pending(), LEDGER_BUFFER - LEDGER_BATCH);
     }
 }
