@@ -127,6 +127,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
                 constraint: None,
                 events,
                 on_stall,
+                progress: None,
             }),
         ))
         .map_err(|_| anyhow::anyhow!("the engine thread is not running"))?;

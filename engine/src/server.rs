@@ -69,6 +69,8 @@ pub struct ServerState {
     /// Set when the server shuts down: endless streams (`/kv/events`) end, so the graceful
     /// shutdown, which waits for every connection, can finish.
     pub closing: tokio::sync::watch::Sender<bool>,
+    /// Each request's spans, under the gateway's (`[tracing]`).
+    pub tracer: kvgate_http::trace::Tracer,
 }
 
 impl ServerState {
@@ -119,10 +121,11 @@ async fn route(
     let resp = match (method.clone(), path.as_str()) {
         (Method::GET, "/health") => admin::health(&state),
         (Method::GET, "/health/live") => admin::liveness(&state),
-        (Method::GET, "/metrics") => http::text_response(
-            "text/plain; version=0.0.4; charset=utf-8",
-            metrics::render(&state.metrics),
-        ),
+        (Method::GET, "/metrics") => {
+            let mut text = metrics::render(&state.metrics);
+            state.tracer.render_metrics("kvgate_engine", &mut text);
+            http::text_response("text/plain; version=0.0.4; charset=utf-8", text)
+        }
         (Method::GET, "/v1/models") => api::models(&state, &req),
         (Method::POST, "/v1/completions") => api::completions(state, req).await,
         (Method::POST, "/v1/chat/completions") => api::chat(state, req).await,

@@ -58,6 +58,16 @@ pub struct Submit {
     pub events: mpsc::Sender<Event>,
     /// Fired when the request is cancelled because its client stopped reading.
     pub on_stall: oneshot::Sender<()>,
+    /// When a traced request reaches its milestones (for its queue, prefill and decode spans).
+    pub progress: Option<Arc<Progress>>,
+}
+
+/// When a traced request was first scheduled and when its first token came, set once each by
+/// the engine thread.
+#[derive(Debug, Default)]
+pub struct Progress {
+    pub scheduled: std::sync::OnceLock<Instant>,
+    pub first_token: std::sync::OnceLock<Instant>,
 }
 
 /// What a request's channel carries, per sample `index`.
@@ -157,6 +167,7 @@ struct Request {
     index: HashMap<crate::kv::SeqId, usize>,
     first_token: bool,
     completion_tokens: usize,
+    progress: Option<Arc<Progress>>,
 }
 
 /// The engine thread's state.
@@ -416,6 +427,7 @@ impl<B: Backend> Worker<B> {
                 index: HashMap::new(),
                 first_token: false,
                 completion_tokens: 0,
+                progress: s.progress,
             },
         );
     }
@@ -457,6 +469,15 @@ impl<B: Backend> Worker<B> {
             return;
         }
         let started = Instant::now();
+        for item in &plan.items {
+            if let Some(p) = self
+                .requests
+                .get(&item.group)
+                .and_then(|r| r.progress.as_ref())
+            {
+                p.scheduled.get_or_init(|| started);
+            }
+        }
         let masks = self.take_constraints(&plan);
         let (logits, sampled) = if masks.is_empty() {
             self.forward(&plan)
@@ -700,6 +721,9 @@ impl<B: Backend> Worker<B> {
         req.completion_tokens += 1;
         let since = sample.last_token_at.replace(now);
         let first = !std::mem::replace(&mut req.first_token, true);
+        if let Some(p) = req.progress.as_ref().filter(|_| first) {
+            p.first_token.get_or_init(|| now);
+        }
         let arrival = req.arrival;
         self.metrics.update(|m| {
             m.generation_tokens += 1;

@@ -73,10 +73,9 @@ pub async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<RespBod
     match (req.method(), path.as_str()) {
         (&Method::GET, "/metrics") => {
             refresh_engine_gauges(&gw);
-            return kvgate_http::text_response(
-                "text/plain; version=0.0.4; charset=utf-8",
-                gw.metrics.render(),
-            );
+            let mut text = gw.metrics.render();
+            gw.tracer.render_metrics("kvgate_gateway", &mut text);
+            return kvgate_http::text_response("text/plain; version=0.0.4; charset=utf-8", text);
         }
         (&Method::GET, "/health") => {
             return json_response(StatusCode::OK, "{\"status\":\"ok\"}".into())

@@ -25,6 +25,7 @@ use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::header::{HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
+use kvgate_http::trace::{Attr, Kind as SpanKind, Span, Trace, TRACEPARENT};
 use kvgate_http::{error_response, json_response, ok_json, RespBody};
 use kvgate_protocol::openai::{
     body_not_an_object, strip_client_scope, ApiError, ChatCompletionRequest, CompletionRequest,
@@ -122,6 +123,8 @@ async fn generate(gw: Arc<Gateway>, req: Request<Incoming>, kind: Kind) -> Respo
         return error_response(&ApiError::unauthorized("Missing API key."));
     };
     let mut outcome = Outcome::new(&gw, &p.tenant.id, start);
+    let trace = req.extensions().get::<Arc<Trace>>().cloned();
+    outcome.trace = trace.clone();
     let request_id = req
         .extensions()
         .get::<RequestId>()
@@ -133,8 +136,17 @@ async fn generate(gw: Arc<Gateway>, req: Request<Incoming>, kind: Kind) -> Respo
     let admitted = tokio::time::timeout_at(deadline, async {
         let body = kvgate_http::read_body(req, limit).await?;
         let prepared = prepare_bounded(&gw, &p, kind, body).await?;
-        let lease = admit(&gw, &p, prepared.hashes.prompt_tokens as u64).await?;
-        Ok::<_, ApiError>((prepared, lease))
+        let mut span = trace
+            .as_ref()
+            .map(|t| t.span("gateway.rate_limit", SpanKind::Internal));
+        let lease = admit(&gw, &p, prepared.hashes.prompt_tokens as u64).await;
+        if let Some(span) = span.as_mut() {
+            match &lease {
+                Ok(l) => span.set(Attr::new("kvgate.rate_limited", l.is_some())),
+                Err(e) => span.fail(e.message.clone()),
+            }
+        }
+        Ok::<_, ApiError>((prepared, lease?))
     })
     .await;
     let (prepared, lease) = match admitted {
@@ -164,6 +176,7 @@ async fn generate(gw: Arc<Gateway>, req: Request<Incoming>, kind: Kind) -> Respo
         request_id: &request_id,
         kind,
         deadline,
+        trace: trace.as_ref(),
     };
     match forward(to, prepared, lease, &mut outcome).await {
         Ok(resp) => resp,
@@ -541,6 +554,7 @@ struct Upstream<'a> {
     kind: Kind,
     /// The request's deadline for its answer to start.
     deadline: tokio::time::Instant,
+    trace: Option<&'a Arc<Trace>>,
 }
 
 impl Upstream<'_> {
@@ -592,7 +606,7 @@ async fn forward(
     let block = gw.config.block_size as usize;
     let mut exclude = 0u64;
     let mut last_error = None;
-    for _ in 0..MAX_ATTEMPTS {
+    for attempt in 1..=MAX_ATTEMPTS {
         let left = to
             .deadline
             .saturating_duration_since(tokio::time::Instant::now());
@@ -600,6 +614,7 @@ async fn forward(
             break;
         }
         let now = now_ms();
+        let routing = Instant::now();
         let req = RouteRequest::new(
             &prepared.hashes.hashes,
             prepared.hashes.prompt_tokens,
@@ -617,6 +632,24 @@ async fn forward(
         let Some(engine) = engines.into_iter().find(|e| e.slot == choice.slot) else {
             break;
         };
+        if let Some(t) = to.trace {
+            t.record(
+                "gateway.route",
+                SpanKind::Internal,
+                routing,
+                Instant::now(),
+                vec![
+                    Attr::new("kvgate.route.decision", choice.reason.as_str()),
+                    Attr::new(
+                        "kvgate.route.matched_blocks",
+                        i64::from(choice.matched_blocks),
+                    ),
+                    Attr::new("kvgate.route.candidates", candidates.len() as i64),
+                    Attr::new("kvgate.engine", engine.name.clone()),
+                    Attr::new("kvgate.attempt", attempt as i64),
+                ],
+            );
+        }
         gw.metrics.route_decision(choice.reason.as_str());
         if choice.reason == crate::routing::Reason::LeastLoaded {
             tracing::debug!(engine = %engine.name, ?candidates, "routed by load");
@@ -638,17 +671,26 @@ async fn forward(
             .best_peer(&prepared.hashes.hashes, engine.slot, exclude, now)
             .filter(|(_, n)| *n >= choice.matched_blocks + PEER_MIN_GAIN_BLOCKS)
             .and_then(|(peer, _)| Some((HeaderValue::from_str(&peer.url).ok()?, peer)));
-        let hinted;
-        let fwd_here = match peer {
-            Some((url, peer)) => {
-                gw.metrics.peer_hint(&peer.name);
-                let mut f = fwd.clone();
-                f.headers
-                    .push((HeaderName::from_static("x-kvgate-prefix-peer"), url));
-                hinted = f;
-                &hinted
-            }
-            None => &fwd,
+        let mut extra = Vec::new();
+        if let Some((url, peer)) = peer {
+            gw.metrics.peer_hint(&peer.name);
+            extra.push((HeaderName::from_static("x-kvgate-prefix-peer"), url));
+        }
+        let mut span = to.trace.map(|t| upstream_span(t, &engine, attempt));
+        if let Some(v) = span
+            .as_ref()
+            .and_then(|s| HeaderValue::from_str(&s.traceparent()).ok())
+        {
+            extra.push((HeaderName::from_static(TRACEPARENT), v));
+        }
+        let with_extra;
+        let fwd_here = if extra.is_empty() {
+            &fwd
+        } else {
+            let mut f = fwd.clone();
+            f.headers.extend(extra);
+            with_extra = f;
+            &with_extra
         };
         let result =
             proxy::attempt(&crate::upstream::local_client(), &engine, fwd_here, budget).await;
@@ -679,6 +721,13 @@ async fn forward(
                     b.finish_reason = proxy::finish_reason(&body).map(str::to_owned);
                 }
                 outcome.status = Some(status.as_u16());
+                if let Some(s) = span.as_mut() {
+                    s.set(Attr::new(
+                        "http.response.status_code",
+                        i64::from(status.as_u16()),
+                    ));
+                }
+                drop(span);
                 // Back before the answer goes out: the tenant's next request finds its slot.
                 if let Some(l) = lease.take() {
                     l.release().await;
@@ -698,11 +747,18 @@ async fn forward(
                 if let Some(b) = outcome.billed.as_mut() {
                     b.engine = Some(engine.name.clone());
                 }
+                if let Some(s) = span.as_mut() {
+                    s.set(Attr::new(
+                        "http.response.status_code",
+                        i64::from(status.as_u16()),
+                    ));
+                }
                 let held = Held {
                     load,
                     lease: lease.take(),
                     outcome: outcome.take(),
                     prompt_charged: prepared.hashes.prompt_tokens as u64,
+                    span,
                 };
                 relay.on_end(Box::new(move |served, end| held.settle(served, end)));
                 return Ok(with_engine(
@@ -715,6 +771,9 @@ async fn forward(
                     engine.record_failure(now_ms());
                 }
                 tracing::warn!(engine = %engine.name, %why, "engine attempt failed; retrying elsewhere");
+                if let Some(s) = span.as_mut() {
+                    s.fail(why.to_string());
+                }
                 last_error = Some(why);
             }
             proxy::Outcome::TimedOut => {
@@ -723,6 +782,9 @@ async fn forward(
                     engine.record_failure(now_ms());
                 }
                 tracing::warn!(engine = %engine.name, secs = budget.as_secs_f64(), "no first byte in time; retrying elsewhere");
+                if let Some(s) = span.as_mut() {
+                    s.fail("timed out before the first byte");
+                }
                 last_error = Some("timed out before the first byte".into());
             }
         }
@@ -746,6 +808,16 @@ struct Held {
     lease: Option<Lease>,
     outcome: Outcome,
     prompt_charged: u64,
+    /// The attempt's span, which ends with the stream.
+    span: Option<Span>,
+}
+
+/// One attempt at an engine, a client span whose id the engine is given as its parent.
+fn upstream_span(trace: &Arc<Trace>, engine: &Engine, attempt: usize) -> Span {
+    let mut span = trace.span("gateway.upstream", SpanKind::Client);
+    span.set(Attr::new("kvgate.engine", engine.name.clone()));
+    span.set(Attr::new("kvgate.attempt", attempt as i64));
+    span
 }
 
 impl Held {
@@ -757,6 +829,17 @@ impl Held {
         }
         if end == StreamEnd::ClientGone {
             self.outcome.status = Some(guard::CLIENT_CLOSED);
+        }
+        if let Some(s) = self.span.as_mut() {
+            let how = match end {
+                StreamEnd::Clean => "clean",
+                StreamEnd::Broken => "broken",
+                StreamEnd::ClientGone => "client_gone",
+            };
+            s.set(Attr::new("kvgate.stream_end", how));
+            if end == StreamEnd::Broken {
+                s.fail("the engine broke off the stream");
+            }
         }
         if let Some(b) = self.outcome.billed.as_mut() {
             // What was served: the engine's final usage when it got that far, else the prompt

@@ -35,6 +35,9 @@
 //! prompt = 0.10                      # `prices` win); cached prompt tokens priced apart
 //! cached_prompt = 0.02               # (default: the prompt price)
 //! completion = 0.40
+//! [tracing]                          # off unless an endpoint is set (docs/tracing.md)
+//! otlp_endpoint = "http://otel-collector:4318"
+//! sample_ratio = 1.0                 # share of requests recorded
 //! ```
 
 use serde::Deserialize;
@@ -107,6 +110,9 @@ pub struct GatewayConfig {
     /// with the ledger off, budgets are not enforced).
     #[serde(default = "default_true")]
     pub usage_ledger: bool,
+    /// Spans of each request, exported over OTLP when an endpoint is set (docs/tracing.md).
+    #[serde(default)]
+    pub tracing: kvgate_http::trace::TracingConfig,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -212,6 +218,7 @@ impl GatewayConfig {
     }
 
     pub fn validate(&self) -> Result<(), String> {
+        self.tracing.validate()?;
         for (field, addr) in [
             ("listen", &self.listen),
             ("admin_listen", &self.admin_listen),
@@ -331,6 +338,7 @@ impl std::fmt::Debug for GatewayConfig {
             .field("engines", &self.engines)
             .field("prices", &self.prices)
             .field("usage_ledger", &self.usage_ledger)
+            .field("tracing", &self.tracing)
             .finish()
     }
 }

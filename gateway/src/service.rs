@@ -10,6 +10,7 @@ use crate::extensions::{BodyLimit, RequestId};
 use crate::state::Gateway;
 use hyper::body::Incoming;
 use hyper::{header, Request, Response};
+use kvgate_http::trace::{Attr, Kind, Parent, Trace, Tracer, TRACEPARENT};
 use kvgate_http::{error_response, RespBody};
 use kvgate_protocol::openai::ApiError;
 use std::convert::Infallible;
@@ -34,7 +35,9 @@ pub fn stack(
 > {
     let svc = ServiceBuilder::new()
         .layer(RequestIdLayer)
-        .layer(TraceLayer)
+        .layer(TraceLayer {
+            tracer: gw.tracer.clone(),
+        })
         .layer(BodyLimitLayer {
             limit: gw.config.max_body_bytes,
         })
@@ -71,14 +74,21 @@ impl<S> Layer<S> for RequestIdLayer {
     }
 }
 
-/// A `debug` span per request (its id, method and path; tenant and engine once known).
-#[derive(Debug, Clone, Copy)]
-pub struct TraceLayer;
+/// A `debug` span per request (its id, method and path; tenant and engine once known) and,
+/// when tracing is on, the request's [`Trace`]: its root span, in the request's extensions for
+/// the layers and handler below, which add their own spans.
+#[derive(Debug, Clone, Default)]
+pub struct TraceLayer {
+    pub tracer: Tracer,
+}
 
 impl<S> Layer<S> for TraceLayer {
     type Service = TraceService<S>;
     fn layer(&self, inner: S) -> Self::Service {
-        TraceService { inner }
+        TraceService {
+            inner,
+            tracer: self.tracer.clone(),
+        }
     }
 }
 
@@ -168,6 +178,45 @@ where
 #[derive(Debug, Clone)]
 pub struct TraceService<S> {
     inner: S,
+    tracer: Tracer,
+}
+
+/// Longest path recorded in a span.
+const MAX_TRACED_PATH: usize = 256;
+
+/// The request's trace (none for health checks): the client's `traceparent`, if well formed,
+/// gives its trace id and the root's parent; the gateway's sampler decides whether it is kept.
+fn start_trace(tracer: &Tracer, req: &Req, id: &str) -> Option<Arc<Trace>> {
+    if !tracer.enabled() || req.uri().path() == "/health" {
+        return None;
+    }
+    let parent = req
+        .headers()
+        .get(TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(Parent::parse);
+    let trace = tracer.trace("gateway.request", Kind::Server, parent, false)?;
+    let mut path = req.uri().path();
+    if path.len() > MAX_TRACED_PATH {
+        let mut end = MAX_TRACED_PATH;
+        while !path.is_char_boundary(end) {
+            end -= 1;
+        }
+        path = &path[..end];
+    }
+    trace.set(Attr::new("http.request.method", req.method().to_string()));
+    trace.set(Attr::new("url.path", path.to_owned()));
+    trace.set(Attr::new("kvgate.request_id", id.to_owned()));
+    Some(trace)
+}
+
+/// The answer's status on the root span (the handler's guard may change it later: a stream
+/// whose client leaves ends as 499).
+pub fn trace_status(trace: &Trace, status: u16) {
+    trace.set(Attr::new("http.response.status_code", i64::from(status)));
+    if status >= 500 {
+        trace.fail(format!("status {status}"));
+    }
 }
 
 impl<S> Service<Req> for TraceService<S>
@@ -179,12 +228,16 @@ where
     type Future = BoxFut;
     forward_ready!();
 
-    fn call(&mut self, req: Req) -> BoxFut {
+    fn call(&mut self, mut req: Req) -> BoxFut {
         let id = req
             .extensions()
             .get::<RequestId>()
             .map(|r| r.0.clone())
             .unwrap_or_else(|| Arc::from(""));
+        let trace = start_trace(&self.tracer, &req, &id);
+        if let Some(t) = &trace {
+            req.extensions_mut().insert(t.clone());
+        }
         // Never the body: no prompt text reaches the logs.
         let span = tracing::debug_span!(
             "request",
@@ -199,6 +252,9 @@ where
         Box::pin(
             async move {
                 let resp = inner.call(req).await?;
+                if let Some(t) = trace {
+                    trace_status(&t, resp.status().as_u16());
+                }
                 tracing::debug!(
                     status = resp.status().as_u16(),
                     micros = start.elapsed().as_micros() as u64,
@@ -273,7 +329,23 @@ where
                 return inner.call(req).await;
             }
             let key = api_key(&req).map(str::to_owned);
-            match gw.auth.authenticate(key.as_deref()).await {
+            let trace = req.extensions().get::<Arc<Trace>>().cloned();
+            let mut span = trace
+                .as_ref()
+                .map(|t| t.span("gateway.auth", Kind::Internal));
+            let authenticated = gw.auth.authenticate(key.as_deref()).await;
+            if let (Some(span), Some(trace)) = (span.as_mut(), trace.as_ref()) {
+                match &authenticated {
+                    Ok(p) => {
+                        trace.set(Attr::new("kvgate.tenant", p.tenant.id.clone()));
+                        span.set(Attr::new("kvgate.tenant", p.tenant.id.clone()));
+                        span.set(Attr::new("kvgate.key_id", p.key_id.clone()));
+                    }
+                    Err(e) => span.fail(e.to_string()),
+                }
+            }
+            drop(span);
+            match authenticated {
                 Ok(p) => {
                     tracing::Span::current().record("tenant", p.tenant.id.as_str());
                     req.extensions_mut().insert::<Arc<Principal>>(p);
@@ -356,7 +428,7 @@ mod tests {
         let open = Arc::new(AtomicBool::new(false));
         let mut svc = ServiceBuilder::new()
             .layer(RequestIdLayer)
-            .layer(TraceLayer)
+            .layer(TraceLayer::default())
             .layer(BodyLimitLayer { limit: 16 })
             .service(Gate(open.clone()));
         let mut cx = Context::from_waker(std::task::Waker::noop());

@@ -45,6 +45,8 @@ pub struct Gateway {
     /// Budget thresholds this process has announced (tenant or key, month, percent), so each
     /// is logged and counted once.
     pub budget_alerts: std::sync::Mutex<std::collections::HashSet<(String, String, u8)>>,
+    /// Each request's spans, exported over OTLP when `[tracing]` names an endpoint.
+    pub tracer: kvgate_http::trace::Tracer,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -83,7 +85,10 @@ impl Gateway {
             );
         }
         let policy = config.routing.policy;
+        let tracer = kvgate_http::trace::Tracer::start(&config.tracing, "kvgate-gateway")
+            .map_err(StartError::Config)?;
         let gw = Arc::new(Gateway {
+            tracer,
             router: Router::new(RouterConfig {
                 policy,
                 load_factor: config.routing.load_factor,

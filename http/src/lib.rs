@@ -3,6 +3,7 @@
 //! server loop (`serve`).
 
 pub mod metrics;
+pub mod trace;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};

@@ -19,6 +19,27 @@ pub const ENGINE_TOKEN: &str = "engine-secret";
 /// The deployment hash seed shared by test engines and gateways.
 pub const SEED: &str = "5eed5eed5eed5eed5eed5eed5eed5eed5eed5eed5eed5eed5eed5eed5eed5eed";
 
+/// Opens a streamed request (`body`, with these extra header lines) and leaves after the first
+/// token's chunk: the connection closes with the answer half sent.
+pub fn stream_and_leave(addr: SocketAddr, key: &str, headers: &str, body: &str) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer {key}\r\n\
+         {headers}content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).expect("write");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("\"delta\"") {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => panic!("stream ended before its first token"),
+            Ok(n) => seen.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
 /// Engine config text for engines behind a test gateway (merged into `Engine::start`).
 pub fn engine_toml(extra_kv: &str) -> String {
     format!(

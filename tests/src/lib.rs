@@ -4,6 +4,7 @@
 //! client would.
 
 pub mod gateway;
+pub mod otlp;
 pub mod postgres;
 pub mod redis;
 
@@ -15,6 +16,26 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// The test venv's python (`target/venv`, made by `scripts/test`) when it can import `module`;
+/// `None` (the test skips, saying so) where it cannot, which CI never allows.
+pub fn venv_python(module: &str, package: &str) -> Option<PathBuf> {
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/venv/bin/python");
+    let found = python.exists()
+        && std::process::Command::new(&python)
+            .args(["-c", &format!("import {module}")])
+            .status()
+            .is_ok_and(|s| s.success());
+    if !found {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "scripts/test installs {package} into target/venv"
+        );
+        eprintln!("skipped: target/venv has no {package} (run scripts/test)");
+        return None;
+    }
+    Some(python)
+}
 
 fn assets() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/kvgate-test-assets")

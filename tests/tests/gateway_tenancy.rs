@@ -3,36 +3,20 @@
 //! across two gateways, key rotation with a grace time under load, per-key limits, scoped
 //! operator tokens and the audit log, and the ledger riding out a Redis outage.
 
-use kvgate_tests::gateway::{chat_body, config, gated_engine, StoreKind, TestGateway};
+use kvgate_tests::gateway::{
+    chat_body, config, gated_engine, stream_and_leave, StoreKind, TestGateway,
+};
 use kvgate_tests::redis::RedisServer;
 use kvgate_tests::{request, Response};
 use serde_json::{json, Value};
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 /// Opens a streamed chat request and leaves after the first token's chunk: returns the tokens
 /// the client saw (1).
 fn stream_and_cut(addr: SocketAddr, key: &str, user: &str) -> u64 {
     let body = chat_body(None, user, r#","max_tokens":48,"stream":true"#);
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer {key}\r\n\
-         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).expect("write");
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("\"delta\"") {
-        match s.read(&mut buf) {
-            Ok(0) | Err(_) => panic!("stream ended before its first token"),
-            Ok(n) => seen.extend_from_slice(&buf[..n]),
-        }
-    }
-    // The client goes: the connection closes with the answer half sent.
-    drop(s);
+    stream_and_leave(addr, key, "", &body);
     1
 }
 

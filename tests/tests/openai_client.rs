@@ -36,21 +36,7 @@ except Exception as e:
 "#;
 
 fn python_with_openai() -> Option<std::path::PathBuf> {
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/venv/bin/python");
-    let has_openai = python.exists()
-        && Command::new(&python)
-            .args(["-c", "import openai"])
-            .status()
-            .is_ok_and(|s| s.success());
-    if !has_openai {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "scripts/test installs openai into target/venv"
-        );
-        eprintln!("skipped: target/venv has no openai package (run scripts/test)");
-        return None;
-    }
-    Some(python)
+    kvgate_tests::venv_python("openai", "openai")
 }
 
 /// Runs `python` with `args`; its stdout, once it exited successfully.

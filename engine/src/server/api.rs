@@ -17,10 +17,11 @@ use super::ServerState;
 use crate::sampling::grammar::COMPILE_STACK_BYTES;
 use crate::sampling::{Constraint, TokenLogprobs};
 use crate::scheduler::GroupId;
-use crate::worker::{Command, Event, Submit, EVENT_BUFFER};
+use crate::worker::{Command, Event, Progress, Submit, EVENT_BUFFER};
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
+use kvgate_http::trace::{Attr, Kind as SpanKind, Parent, Trace, TRACEPARENT};
 use kvgate_protocol::openai::structured::{self, StreamPiece, ToolCallStream};
 use kvgate_protocol::openai::*;
 use std::sync::atomic::Ordering;
@@ -48,15 +49,111 @@ pub fn models<B>(state: &ServerState, req: &Request<B>) -> Response<RespBody> {
 }
 
 pub async fn completions(state: Arc<ServerState>, req: Request<Incoming>) -> Response<RespBody> {
-    generate(state, req, Kind::Completion)
-        .await
-        .unwrap_or_else(|e| error_response(&e))
+    respond(state, req, Kind::Completion).await
 }
 
 pub async fn chat(state: Arc<ServerState>, req: Request<Incoming>) -> Response<RespBody> {
-    generate(state, req, Kind::Chat)
+    respond(state, req, Kind::Chat).await
+}
+
+async fn respond(
+    state: Arc<ServerState>,
+    req: Request<Incoming>,
+    kind: Kind,
+) -> Response<RespBody> {
+    let trace = request_trace(&state, &req);
+    let resp = generate(state, req, kind, trace.clone())
         .await
-        .unwrap_or_else(|e| error_response(&e))
+        .unwrap_or_else(|e| {
+            if let Some(t) = &trace {
+                t.fail(e.message.clone());
+            }
+            error_response(&e)
+        });
+    if let Some(t) = trace {
+        t.set(Attr::new(
+            "http.response.status_code",
+            i64::from(resp.status().as_u16()),
+        ));
+    }
+    resp
+}
+
+/// The request's trace, under the caller's span. The gateway (a caller with the engine token)
+/// has sampled already, so its flag decides; anyone else's request is sampled here.
+fn request_trace<B>(state: &ServerState, req: &Request<B>) -> Option<Arc<Trace>> {
+    if !state.tracer.enabled() {
+        return None;
+    }
+    let parent = http::header_str(req, TRACEPARENT).and_then(Parent::parse);
+    let trusted = state
+        .engine_token
+        .as_ref()
+        .is_some_and(|t| http::has_bearer(req, t));
+    let trace = state
+        .tracer
+        .trace("engine.request", SpanKind::Server, parent, trusted)?;
+    if let Some(id) = http::header_str(req, "x-request-id").filter(|id| id.len() <= 64) {
+        trace.set(Attr::new("kvgate.request_id", id.to_owned()));
+    }
+    Some(trace)
+}
+
+/// A traced request's milestones, made into its queue, prefill and decode spans when it ends.
+struct Timeline {
+    trace: Arc<Trace>,
+    submitted: std::time::Instant,
+    progress: Arc<Progress>,
+    /// Prompt, cached and completion tokens, once the engine reported them.
+    tokens: Option<(usize, usize, usize)>,
+}
+
+impl Timeline {
+    fn record(&self, finished: bool) {
+        let now = std::time::Instant::now();
+        let scheduled = self.progress.scheduled.get().copied();
+        let first = self.progress.first_token.get().copied();
+        let t = &self.trace;
+        t.record(
+            "engine.queue",
+            SpanKind::Internal,
+            self.submitted,
+            scheduled.unwrap_or(now),
+            Vec::new(),
+        );
+        let count = |n: usize| n.min(i64::MAX as usize) as i64;
+        if let Some(start) = scheduled {
+            let mut attrs = Vec::new();
+            if let Some((prompt, cached, _)) = self.tokens {
+                attrs.push(Attr::new("kvgate.prefill.cached_tokens", count(cached)));
+                attrs.push(Attr::new(
+                    "kvgate.prefill.computed_tokens",
+                    count(prompt.saturating_sub(cached)),
+                ));
+            }
+            t.record(
+                "engine.prefill",
+                SpanKind::Internal,
+                start,
+                first.unwrap_or(now),
+                attrs,
+            );
+        }
+        if let Some(start) = first {
+            let attrs = self.tokens.map_or_else(Vec::new, |(_, _, completion)| {
+                vec![Attr::new("kvgate.completion_tokens", count(completion))]
+            });
+            t.record("engine.decode", SpanKind::Internal, start, now, attrs);
+        }
+        if let Some((prompt, cached, completion)) = self.tokens {
+            t.set(Attr::new("kvgate.prompt_tokens", count(prompt)));
+            t.set(Attr::new("kvgate.cached_tokens", count(cached)));
+            t.set(Attr::new("kvgate.completion_tokens", count(completion)));
+        }
+        if !finished {
+            t.fail("cancelled before it finished");
+        }
+    }
 }
 
 fn check_engine_token<B>(state: &ServerState, req: &Request<B>) -> Result<(), ApiError> {
@@ -226,15 +323,38 @@ async fn compile(
     Ok(constraint)
 }
 
-/// Counts a request in flight; aborts it in the engine if dropped before it finished.
+/// Counts a request in flight; aborts it in the engine if dropped before it finished. A traced
+/// request's spans are recorded when it is dropped.
 struct Inflight {
     state: Arc<ServerState>,
     id: GroupId,
     finished: bool,
+    timeline: Option<Timeline>,
+}
+
+impl Inflight {
+    /// The engine ended the request, having served these tokens.
+    fn done(&mut self, prompt: usize, cached: usize, completion: usize) {
+        self.finished = true;
+        if let Some(t) = self.timeline.as_mut() {
+            t.tokens = Some((prompt, cached, completion));
+        }
+    }
+
+    /// The engine ended the request with an error.
+    fn failed(&mut self, e: &ApiError) {
+        self.finished = true;
+        if let Some(t) = &self.timeline {
+            t.trace.fail(e.message.clone());
+        }
+    }
 }
 
 impl Drop for Inflight {
     fn drop(&mut self) {
+        if let Some(t) = &self.timeline {
+            t.record(self.finished);
+        }
         self.state.inflight.fetch_sub(1, Ordering::SeqCst);
         if !self.finished {
             let _ = self.state.commands.send(Command::Abort(self.id));
@@ -246,6 +366,7 @@ async fn generate(
     state: Arc<ServerState>,
     req: Request<Incoming>,
     kind: Kind,
+    trace: Option<Arc<Trace>>,
 ) -> Result<Response<RespBody>, ApiError> {
     if state.is_draining() {
         return Err(ApiError::draining());
@@ -268,11 +389,22 @@ async fn generate(
     let (on_stall, stalled) = oneshot::channel();
     let prompt_len = p.prompt.len();
     let logprobs = p.params.logprobs.is_some();
+    if let Some(t) = &trace {
+        t.set(Attr::new("kvgate.tenant", who.tenant.clone()));
+    }
+    let timeline = trace.map(|trace| Timeline {
+        trace,
+        submitted: std::time::Instant::now(),
+        progress: Arc::default(),
+        tokens: None,
+    });
+    let progress = timeline.as_ref().map(|t| t.progress.clone());
     state.inflight.fetch_add(1, Ordering::SeqCst);
     let guard = Inflight {
         state: state.clone(),
         id,
         finished: false,
+        timeline,
     };
     // A peer holds more of the prefix than this engine: its blocks come over first.
     if let Some(peer) = &peer {
@@ -293,6 +425,7 @@ async fn generate(
                 constraint,
                 events: tx,
                 on_stall,
+                progress,
             }),
         ))
         .map_err(|_| ApiError::unavailable("The engine is not running."))?;
@@ -428,7 +561,7 @@ impl Output {
                     completion_tokens,
                     cached_tokens,
                 } => {
-                    guard.finished = true;
+                    guard.done(prompt_tokens, cached_tokens, completion_tokens);
                     let usage = Usage::new(
                         prompt_tokens as u32,
                         completion_tokens as u32,
@@ -437,7 +570,7 @@ impl Output {
                     return Ok(self.full_response(choices, usage));
                 }
                 Event::Failed(e) => {
-                    guard.finished = true;
+                    guard.failed(&e);
                     return Err(e);
                 }
             }
@@ -677,7 +810,7 @@ impl Output {
                     completion_tokens,
                     cached_tokens,
                 }) => {
-                    guard.finished = true;
+                    guard.done(prompt_tokens, cached_tokens, completion_tokens);
                     let mut out = String::new();
                     if include_usage {
                         let usage = Usage::new(
@@ -692,7 +825,7 @@ impl Output {
                     return;
                 }
                 Some(Event::Failed(e)) => {
-                    guard.finished = true;
+                    guard.failed(&e);
                     send(&body, error_frames(&e), &mut stalled).await;
                     return;
                 }

@@ -35,6 +35,8 @@
 //! [auth]
 //! engine_token = "..."                      # required from the gateway on /v1/* and /kv/events
 //! operator_token = "..."                    # required on /admin/*
+//! [tracing]                                 # off unless an endpoint is set
+//! otlp_endpoint = "http://otel-collector:4318"
 //! ```
 //!
 //! Top level, beside `listen`: `max_body_bytes = 4194304` (largest request body) and
@@ -96,6 +98,10 @@ pub struct EngineConfig {
     /// before the request is cancelled and its blocks freed.
     #[serde(default = "default_stalled_client_timeout_ms")]
     pub stalled_client_timeout_ms: u64,
+    /// Each request's queue, prefill and decode spans, exported over OTLP when an endpoint is
+    /// set, under the gateway's span that sent it.
+    #[serde(default)]
+    pub tracing: kvgate_http::trace::TracingConfig,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -248,6 +254,7 @@ impl EngineConfig {
     }
 
     pub fn validate(&self) -> Result<(), String> {
+        self.tracing.validate()?;
         if matches!(self.device, Device::Cuda(_)) && !cfg!(feature = "cuda") {
             return Err(format!(
                 "device: {} is not available in this build (cpu; cuda needs --features cuda)",

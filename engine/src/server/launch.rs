@@ -224,7 +224,10 @@ fn start_on<B: Backend + 'static>(
     .with_tiers(config.kv.host_blocks, disk_io, peer.clone());
     let engine = EngineThread::spawn(DEFAULT_STALL_AFTER, move |beat| worker.run(rx, beat))
         .map_err(LaunchError::Thread)?;
+    let tracer = kvgate_http::trace::Tracer::start(&config.tracing, "kvgate-engine")
+        .map_err(LaunchError::Config)?;
     Ok(Arc::new(ServerState {
+        tracer,
         device,
         model_id,
         context_len: model_config.max_position_embeddings,

@@ -12,6 +12,7 @@ use crate::state::Gateway;
 use crate::tenant::RateLimits;
 use crate::upstream::{now_ms, Engine};
 use crate::usage::{self, Ending, Prices, UsageRecord};
+use kvgate_http::trace::{Attr, Trace};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -222,6 +223,8 @@ pub struct Outcome {
     pub status: Option<u16>,
     /// The ledger's record, from admission on.
     pub billed: Option<Billed>,
+    /// The request's trace, when it is traced: its root span ends with this line.
+    pub trace: Option<Arc<Trace>>,
     /// Whether dropping this one writes the line (a moved-out original does not).
     armed: bool,
 }
@@ -234,6 +237,7 @@ impl Outcome {
             start,
             status: None,
             billed: None,
+            trace: None,
             armed: true,
         }
     }
@@ -248,6 +252,7 @@ impl Outcome {
             start: self.start,
             status: self.status,
             billed: self.billed.take(),
+            trace: self.trace.take(),
             armed: true,
         }
     }
@@ -298,6 +303,21 @@ impl Drop for Outcome {
         m.request(&self.tenant, status);
         m.request_duration
             .observe(self.start.elapsed().as_secs_f64());
+        if let Some(t) = self.trace.take() {
+            crate::service::trace_status(&t, status);
+            if let Some(b) = &self.billed {
+                if let Some(engine) = &b.engine {
+                    t.set(Attr::new("kvgate.engine", engine.clone()));
+                }
+                for (key, n) in [
+                    ("kvgate.prompt_tokens", b.prompt_tokens),
+                    ("kvgate.cached_tokens", b.cached_tokens),
+                    ("kvgate.completion_tokens", b.completion_tokens),
+                ] {
+                    t.set(Attr::new(key, n.min(i64::MAX as u64) as i64));
+                }
+            }
+        }
         if let Some(b) = self.billed.take() {
             let record = self.record(b, status);
             self.gw.ledger.push(record);
