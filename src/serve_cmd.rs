@@ -13,6 +13,7 @@ use kvgate_gateway::config::EngineEntry;
 use kvgate_gateway::store::MemoryStore;
 use kvgate_gateway::tenant::{KeySpec, Tenant};
 use kvgate_gateway::{Gateway, GatewayConfig};
+use kvgate_http::trace::TracingConfig;
 use kvgate_protocol::openai::SamplingDefaults;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -50,6 +51,19 @@ pub struct ServeArgs {
     /// which a restart serves from (0: no disk tier).
     #[arg(long, default_value_t = 4 << 30)]
     disk_tier_bytes: u64,
+    /// An OpenTelemetry collector's OTLP/HTTP address (`http://host:4318`): every request's
+    /// gateway and engine spans are exported there (docs/tracing.md).
+    #[arg(long)]
+    otlp_endpoint: Option<String>,
+}
+
+/// `--otlp-endpoint` as the gateway's or the engine's `[tracing]`.
+fn tracing_config(endpoint: &Option<String>, service: &str) -> TracingConfig {
+    TracingConfig {
+        otlp_endpoint: endpoint.clone(),
+        service_name: Some(service.into()),
+        ..TracingConfig::default()
+    }
 }
 
 /// The disk tier's directory and the hash seed it is keyed by, both under `$KVGATE_HOME`: the
@@ -157,6 +171,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             engine_token: Some(engine_token.clone()),
             operator_token: Some(operator_token.clone()),
         },
+        tracing: tracing_config(&args.otlp_endpoint, "kvgate-engine"),
         ..EngineConfig::default()
     };
     engine_config
@@ -188,6 +203,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 name: "local".into(),
                 url: format!("http://{engine_addr}"),
             }],
+            tracing: tracing_config(&args.otlp_endpoint, "kvgate-gateway"),
             ..GatewayConfig::default()
         };
         let gw = Gateway::start(config, Arc::new(MemoryStore::new()), renderer).await?;

@@ -40,10 +40,14 @@ pub const TRACEPARENT: &str = "traceparent";
 
 /// Finished traces waiting for the export task; past this they are dropped and counted.
 const QUEUE_TRACES: usize = 8192;
-/// Spans per export request, at most.
-const BATCH_SPANS: usize = 4096;
-/// How long a span waits for others to fill its batch.
-const FLUSH: Duration = Duration::from_millis(500);
+/// Spans per export request, at most (about 100 KiB of protobuf: buffers that stay small
+/// enough to be reused rather than mapped and zeroed afresh for every batch).
+const BATCH_SPANS: usize = 512;
+/// Room made up front for a root span's attributes and its children (a request's usual count).
+const ROOT_ATTRS: usize = 12;
+const CHILD_SPANS: usize = 6;
+/// How long the export task lets traces gather after the first of a batch arrives.
+const FLUSH: Duration = Duration::from_millis(200);
 /// One export request's time; a collector that does not answer within it loses that batch.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Bytes of a collector's answer read, at most.
@@ -301,7 +305,11 @@ impl Tracer {
             kind,
             start: Instant::now(),
             wall: SystemTime::now(),
-            inner: Mutex::default(),
+            inner: Mutex::new(Spans {
+                attrs: Vec::with_capacity(ROOT_ATTRS),
+                error: None,
+                done: Vec::with_capacity(CHILD_SPANS),
+            }),
         }))
     }
 }
@@ -382,7 +390,7 @@ impl Trace {
             name,
             kind,
             start: Instant::now(),
-            attrs: Vec::new(),
+            attrs: Vec::with_capacity(4),
             error: None,
         }
     }
@@ -517,26 +525,40 @@ async fn export(
         .build();
     let mut traces = Vec::new();
     let mut last_warning: Option<Instant> = None;
+    let mut backlog = false;
     loop {
-        if rx.recv_many(&mut traces, BATCH_SPANS).await == 0 {
-            return; // every sender is gone and the queue is empty
+        // Idle, the task waits for a trace; then it sleeps while more arrive (a sleeping
+        // receiver is not woken by each send) and takes them all at once. Behind (the last
+        // batch was full), it takes the next batch at once.
+        if !backlog {
+            if rx.recv_many(&mut traces, 1).await == 0 {
+                return; // every sender is gone and the queue is empty
+            }
+            tokio::time::sleep(FLUSH).await;
         }
-        let flush_at = tokio::time::Instant::now() + FLUSH;
         let mut spans: usize = traces.iter().map(Vec::len).sum();
+        let mut closed = false;
         while spans < BATCH_SPANS {
-            match tokio::time::timeout_at(flush_at, rx.recv()).await {
-                Ok(Some(t)) => {
+            match rx.try_recv() {
+                Ok(t) => {
                     spans += t.len();
                     traces.push(t);
                 }
-                Ok(None) | Err(_) => break,
+                Err(e) => {
+                    closed = e == mpsc::error::TryRecvError::Disconnected;
+                    break;
+                }
             }
         }
-        let batch: Vec<SpanData> = traces
-            .drain(..)
-            .flatten()
-            .map(|r| span_data(r, &scope))
-            .collect();
+        backlog = spans >= BATCH_SPANS;
+        if traces.is_empty() {
+            if closed {
+                return;
+            }
+            continue;
+        }
+        let mut batch: Vec<SpanData> = Vec::with_capacity(spans);
+        batch.extend(traces.drain(..).flatten().map(|r| span_data(r, &scope)));
         let n = batch.len() as u64;
         match exporter.export(batch).await {
             Ok(()) => {

@@ -2,10 +2,11 @@
 
 Accepts `POST /v1/traces` (application/x-protobuf), decodes each export with the official
 opentelemetry-proto definitions, and appends every span, one JSON object per line, to the file
-named by the first argument (`/dev/null` to only receive). Prints its port, then serves until
-killed.
+named by the first argument. With `-` instead of a file it only receives (answers every export
+without decoding it: a collector that costs the machine little, for benchmarks). Prints its
+port, then serves until killed.
 
-    python receiver.py spans.jsonl [port]
+    python receiver.py spans.jsonl|- [port]
 """
 
 import json
@@ -19,6 +20,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 OUT = sys.argv[1]
 MAX_BODY = 64 << 20
+EMPTY = ExportTraceServiceResponse().SerializeToString()
 
 
 def value(v):
@@ -53,6 +55,8 @@ class Handler(BaseHTTPRequestHandler):
             return self.answer(404, b"not found", "text/plain")
         if self.headers.get("content-type") != "application/x-protobuf":
             return self.answer(415, b"protobuf only", "text/plain")
+        if OUT == "-":
+            return self.answer(200, EMPTY)
         request = ExportTraceServiceRequest()
         request.ParseFromString(body)
         lines = []
@@ -81,7 +85,7 @@ class Handler(BaseHTTPRequestHandler):
         if lines:
             with open(OUT, "a") as f:
                 f.write("\n".join(lines) + "\n")
-        self.answer(200, ExportTraceServiceResponse().SerializeToString())
+        self.answer(200, EMPTY)
 
     def log_message(self, *args):
         pass
