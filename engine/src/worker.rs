@@ -167,7 +167,19 @@ struct Request {
     index: HashMap<crate::kv::SeqId, usize>,
     first_token: bool,
     completion_tokens: usize,
-    progress: Option<Arc<Progress>>,
+    progress: Option<Traced>,
+}
+
+/// A traced request's milestones, counted in [`Worker::traced`] while the request lives.
+struct Traced {
+    progress: Arc<Progress>,
+    live: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Drop for Traced {
+    fn drop(&mut self) {
+        self.live.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// The engine thread's state.
@@ -177,6 +189,8 @@ pub struct Worker<B: Backend> {
     renderer: Arc<PromptRenderer>,
     eos: Vec<u32>,
     requests: HashMap<GroupId, Request>,
+    /// Requests in `requests` that are traced (their milestones are marked only when some are).
+    traced: Arc<std::sync::atomic::AtomicUsize>,
     tenants: HashMap<String, TenantId>,
     metrics: Arc<Stats>,
     kv_events: broadcast::Sender<KvEventRecord>,
@@ -228,6 +242,7 @@ impl<B: Backend> Worker<B> {
             renderer,
             eos,
             requests: HashMap::new(),
+            traced: Arc::default(),
             tenants: HashMap::new(),
             metrics,
             kv_events,
@@ -427,7 +442,14 @@ impl<B: Backend> Worker<B> {
                 index: HashMap::new(),
                 first_token: false,
                 completion_tokens: 0,
-                progress: s.progress,
+                progress: s.progress.map(|progress| {
+                    self.traced
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    Traced {
+                        progress,
+                        live: self.traced.clone(),
+                    }
+                }),
             },
         );
     }
@@ -469,13 +491,15 @@ impl<B: Backend> Worker<B> {
             return;
         }
         let started = Instant::now();
-        for item in &plan.items {
-            if let Some(p) = self
-                .requests
-                .get(&item.group)
-                .and_then(|r| r.progress.as_ref())
-            {
-                p.scheduled.get_or_init(|| started);
+        if self.traced.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+            for item in &plan.items {
+                if let Some(t) = self
+                    .requests
+                    .get(&item.group)
+                    .and_then(|r| r.progress.as_ref())
+                {
+                    t.progress.scheduled.get_or_init(|| started);
+                }
             }
         }
         let masks = self.take_constraints(&plan);
@@ -721,8 +745,8 @@ impl<B: Backend> Worker<B> {
         req.completion_tokens += 1;
         let since = sample.last_token_at.replace(now);
         let first = !std::mem::replace(&mut req.first_token, true);
-        if let Some(p) = req.progress.as_ref().filter(|_| first) {
-            p.first_token.get_or_init(|| now);
+        if let Some(t) = req.progress.as_ref().filter(|_| first) {
+            t.progress.first_token.get_or_init(|| now);
         }
         let arrival = req.arrival;
         self.metrics.update(|m| {

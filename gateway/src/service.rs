@@ -185,7 +185,8 @@ pub struct TraceService<S> {
 const MAX_TRACED_PATH: usize = 256;
 
 /// The request's trace (none for health checks): the client's `traceparent`, if well formed,
-/// gives its trace id and the root's parent; the gateway's sampler decides whether it is kept.
+/// gives its trace id and the root's parent; the gateway's sampler decides whether it is made.
+/// It is exported only if the request is authenticated.
 fn start_trace(tracer: &Tracer, req: &Req, id: &str) -> Option<Arc<Trace>> {
     if !tracer.enabled() || req.uri().path() == "/health" {
         return None;
@@ -207,6 +208,8 @@ fn start_trace(tracer: &Tracer, req: &Req, id: &str) -> Option<Arc<Trace>> {
     trace.set(Attr::new("http.request.method", req.method().to_string()));
     trace.set(Attr::new("url.path", path.to_owned()));
     trace.set(Attr::new("kvgate.request_id", id.to_owned()));
+    // Kept once the caller is authenticated: anyone can send requests that are refused before.
+    trace.discard();
     Some(trace)
 }
 
@@ -337,6 +340,7 @@ where
             if let (Some(span), Some(trace)) = (span.as_mut(), trace.as_ref()) {
                 match &authenticated {
                     Ok(p) => {
+                        trace.keep();
                         trace.set(Attr::new("kvgate.tenant", p.tenant.id.clone()));
                         span.set(Attr::new("kvgate.tenant", p.tenant.id.clone()));
                         span.set(Attr::new("kvgate.key_id", p.key_id.clone()));

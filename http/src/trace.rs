@@ -48,8 +48,12 @@ const ROOT_ATTRS: usize = 12;
 const CHILD_SPANS: usize = 6;
 /// How long the export task lets traces gather after the first of a batch arrives.
 const FLUSH: Duration = Duration::from_millis(200);
-/// One export request's time; a collector that does not answer within it loses that batch.
+/// One export request's time, connecting, sending and reading the answer; a collector that does
+/// not answer within it loses that batch.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Longest status message a span carries.
+const MAX_STATUS_BYTES: usize = 128;
 /// Bytes of a collector's answer read, at most.
 const MAX_RESPONSE_BYTES: usize = 1 << 20;
 
@@ -212,7 +216,7 @@ impl Tracer {
         };
         let mut exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
-            .with_http_client(OtlpClient::new())
+            .with_http_client(OtlpClient::new(EXPORT_TIMEOUT))
             .with_endpoint(url)
             .with_timeout(EXPORT_TIMEOUT)
             .build()
@@ -309,6 +313,7 @@ impl Tracer {
                 attrs: Vec::with_capacity(ROOT_ATTRS),
                 error: None,
                 done: Vec::with_capacity(CHILD_SPANS),
+                discard: false,
             }),
         }))
     }
@@ -341,6 +346,7 @@ struct Spans {
     attrs: Vec<KeyValue>,
     error: Option<String>,
     done: Vec<Record>,
+    discard: bool,
 }
 
 /// A finished span, as the export task gets it.
@@ -377,9 +383,21 @@ impl Trace {
         set_attr(&mut self.spans().attrs, attr);
     }
 
-    /// Marks the root span failed.
+    /// Marks the root span failed (the message cut to 128 bytes).
     pub fn fail(&self, why: impl Into<String>) {
-        self.spans().error = Some(why.into());
+        self.spans().error = Some(status_message(why.into()));
+    }
+
+    /// Records nothing of this trace unless [`Trace::keep`] is called later: a request refused
+    /// before it was authenticated, which anyone can send, fills neither the export queue nor
+    /// the collector.
+    pub fn discard(&self) {
+        self.spans().discard = true;
+    }
+
+    /// Records this trace after all (its caller proved who it is).
+    pub fn keep(&self) {
+        self.spans().discard = false;
     }
 
     /// Opens a child of the root span, from now until it is dropped.
@@ -445,6 +463,9 @@ impl Trace {
 impl Drop for Trace {
     fn drop(&mut self) {
         let spans = std::mem::take(self.inner.get_mut().unwrap_or_else(|p| p.into_inner()));
+        if spans.discard {
+            return;
+        }
         let mut records = spans.done;
         records.push(Record {
             trace_id: self.trace_id,
@@ -463,6 +484,18 @@ impl Drop for Trace {
             self.export.counters.dropped.fetch_add(n, Ordering::Relaxed);
         }
     }
+}
+
+/// A span's status message, bounded.
+fn status_message(mut why: String) -> String {
+    if why.len() > MAX_STATUS_BYTES {
+        let mut end = MAX_STATUS_BYTES;
+        while !why.is_char_boundary(end) {
+            end -= 1;
+        }
+        why.truncate(end);
+    }
+    why
 }
 
 fn set_attr(attrs: &mut Vec<KeyValue>, attr: KeyValue) {
@@ -490,7 +523,7 @@ impl Span {
     }
 
     pub fn fail(&mut self, why: impl Into<String>) {
-        self.error = Some(why.into());
+        self.error = Some(status_message(why.into()));
     }
 
     /// The `traceparent` that makes this span the receiver's parent.
@@ -525,6 +558,7 @@ async fn export(
         .build();
     let mut traces = Vec::new();
     let mut last_warning: Option<Instant> = None;
+    let mut dropped_seen = 0;
     let mut backlog = false;
     loop {
         // Idle, the task waits for a trace; then it sleeps while more arrive (a sleeping
@@ -560,6 +594,16 @@ async fn export(
         let mut batch: Vec<SpanData> = Vec::with_capacity(spans);
         batch.extend(traces.drain(..).flatten().map(|r| span_data(r, &scope)));
         let n = batch.len() as u64;
+        let dropped = counters.dropped.load(Ordering::Relaxed);
+        let warn_now = last_warning.is_none_or(|t| t.elapsed() >= Duration::from_secs(60));
+        if dropped > dropped_seen && warn_now {
+            last_warning = Some(Instant::now());
+            tracing::warn!(
+                spans = dropped - dropped_seen,
+                "trace export queue full; spans dropped (the collector is slow or down)"
+            );
+            dropped_seen = dropped;
+        }
         match exporter.export(batch).await {
             Ok(()) => {
                 counters.exported.fetch_add(n, Ordering::Relaxed);
@@ -599,13 +643,22 @@ fn span_data(r: Record, scope: &InstrumentationScope) -> SpanData {
     }
 }
 
-/// The exporter's HTTP client: hyper on the export task's runtime, answers read up to a bound.
+/// The exporter's HTTP client: hyper on the export task's runtime, answers read up to a bound,
+/// each exchange within `timeout`.
 #[derive(Debug)]
-struct OtlpClient(Client<HttpConnector, Full<Bytes>>);
+struct OtlpClient {
+    client: Client<HttpConnector, Full<Bytes>>,
+    timeout: Duration,
+}
 
 impl OtlpClient {
-    fn new() -> OtlpClient {
-        OtlpClient(Client::builder(TokioExecutor::new()).build_http())
+    fn new(timeout: Duration) -> OtlpClient {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(CONNECT_TIMEOUT.min(timeout)));
+        OtlpClient {
+            client: Client::builder(TokioExecutor::new()).build(connector),
+            timeout,
+        }
     }
 }
 
@@ -616,16 +669,23 @@ impl opentelemetry_http::HttpClient for OtlpClient {
         request: hyper::Request<Bytes>,
     ) -> Result<hyper::Response<Bytes>, opentelemetry_http::HttpError> {
         let (head, body) = request.into_parts();
-        let response = self
-            .0
-            .request(hyper::Request::from_parts(head, Full::new(body)))
-            .await?;
-        let (head, body) = response.into_parts();
-        let body = Limited::new(body, MAX_RESPONSE_BYTES)
-            .collect()
-            .await?
-            .to_bytes();
-        Ok(hyper::Response::from_parts(head, body))
+        let exchange = async {
+            let response = self
+                .client
+                .request(hyper::Request::from_parts(head, Full::new(body)))
+                .await?;
+            let (head, body) = response.into_parts();
+            let body = Limited::new(body, MAX_RESPONSE_BYTES)
+                .collect()
+                .await?
+                .to_bytes();
+            Ok::<_, opentelemetry_http::HttpError>(hyper::Response::from_parts(head, body))
+        };
+        // The whole exchange has its deadline: a collector that accepts and never answers (or
+        // trickles) costs one batch, not the export for good.
+        tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| format!("no answer from the collector in {:?}", self.timeout))?
     }
 }
 
@@ -712,6 +772,37 @@ mod tests {
         assert_eq!(TracingConfig::default().traces_url(), Ok(None));
     }
 
+    /// A collector that takes the connection and never answers costs one exchange its timeout,
+    /// not the export thread for good.
+    #[tokio::test]
+    async fn a_collector_that_never_answers_times_out() {
+        use opentelemetry_http::HttpClient;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let held = tokio::spawn(async move {
+            let (conn, _) = listener.accept().await.unwrap();
+            std::future::pending::<()>().await;
+            drop(conn);
+        });
+        let client = OtlpClient::new(Duration::from_millis(300));
+        let request = hyper::Request::post(format!("http://{addr}/v1/traces"))
+            .body(Bytes::from_static(b"x"))
+            .unwrap();
+        let started = Instant::now();
+        let err = client.send_bytes(request).await.unwrap_err();
+        assert!(err.to_string().contains("no answer"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        held.abort();
+    }
+
+    #[test]
+    fn status_messages_are_bounded() {
+        assert_eq!(status_message("short".into()), "short");
+        let long = "é".repeat(100);
+        let cut = status_message(long);
+        assert!(cut.len() <= MAX_STATUS_BYTES && cut.chars().all(|c| c == 'é'));
+    }
+
     #[tokio::test]
     async fn a_disabled_tracer_makes_no_trace() {
         let t = Tracer::start(&TracingConfig::default(), "x").unwrap();
@@ -767,6 +858,20 @@ mod tests {
         assert!(rx.try_recv().is_err(), "the trace is still held");
         drop(held);
         let spans = rx.try_recv().unwrap();
+        let discarded = always
+            .trace("request", SpanKind::Server, None, false)
+            .unwrap();
+        discarded.discard();
+        drop(discarded.span("auth", SpanKind::Internal));
+        drop(discarded);
+        assert!(rx.try_recv().is_err(), "a discarded trace is not sent");
+        let kept = always
+            .trace("request", SpanKind::Server, None, false)
+            .unwrap();
+        kept.discard();
+        kept.keep();
+        drop(kept);
+        assert!(rx.try_recv().is_ok(), "kept after all");
         let names: Vec<_> = spans.iter().map(|s| s.name).collect();
         assert_eq!(names, ["route", "upstream", "request"]);
         let root = &spans[2];

@@ -200,6 +200,20 @@ fn one_request_is_one_trace_across_gateway_and_engine() {
     let spans = otlp.wait_trace(unsampled, &names);
     assert_eq!(spans.len(), names.len());
 
+    // A request refused before it is authenticated (anyone can send one) leaves no trace.
+    let refused = "2af7651916cd43dd8448eb211c80319c";
+    let r = request(
+        gw.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[
+            ("authorization", "Bearer kvg_not_a_key"),
+            ("traceparent", &format!("00-{refused}-{CLIENT_SPAN}-01")),
+        ],
+        &chat_body(None, "Hi.", ""),
+    );
+    assert_eq!(r.status, 401, "{}", r.body);
+
     // A malformed traceparent is no parent: a fresh trace, rooted at the gateway.
     let before: usize = otlp.spans().len();
     let garbage = "00-ZZf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -208,6 +222,10 @@ fn one_request_is_one_trace_across_gateway_and_engine() {
     assert_eq!(fresh["parent_span_id"], "", "a root with no parent");
     assert_ne!(fresh["trace_id"], "zzf92f3577b34da6a3ce929d0e0e4736");
     otlp.wait_trace(fresh["trace_id"].as_str().unwrap(), &names);
+    assert!(
+        otlp.spans().iter().all(|s| s["trace_id"] != refused),
+        "the unauthenticated request was exported"
+    );
 
     // The export's counters.
     let metrics = gw.metrics();

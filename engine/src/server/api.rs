@@ -66,7 +66,7 @@ async fn respond(
         .await
         .unwrap_or_else(|e| {
             if let Some(t) = &trace {
-                t.fail(e.message.clone());
+                t.fail(failure(&e));
             }
             error_response(&e)
         });
@@ -79,17 +79,25 @@ async fn respond(
     resp
 }
 
+/// What a failed span says: the error's status and code, never its message (which can quote
+/// what the tenant sent: a schema, a regex).
+fn failure(e: &ApiError) -> String {
+    format!("{} {}", e.status, e.code.as_str())
+}
+
 /// The request's trace, under the caller's span. The gateway (a caller with the engine token)
-/// has sampled already, so its flag decides; anyone else's request is sampled here.
+/// has sampled already, so its flag decides; where the engine has no token, a request is
+/// sampled here. A request without the token the engine requires is not traced.
 fn request_trace<B>(state: &ServerState, req: &Request<B>) -> Option<Arc<Trace>> {
     if !state.tracer.enabled() {
         return None;
     }
+    let trusted = match &state.engine_token {
+        Some(t) if !http::has_bearer(req, t) => return None,
+        Some(_) => true,
+        None => false,
+    };
     let parent = http::header_str(req, TRACEPARENT).and_then(Parent::parse);
-    let trusted = state
-        .engine_token
-        .as_ref()
-        .is_some_and(|t| http::has_bearer(req, t));
     let trace = state
         .tracer
         .trace("engine.request", SpanKind::Server, parent, trusted)?;
@@ -345,7 +353,7 @@ impl Inflight {
     fn failed(&mut self, e: &ApiError) {
         self.finished = true;
         if let Some(t) = &self.timeline {
-            t.trace.fail(e.message.clone());
+            t.trace.fail(failure(e));
         }
     }
 }
@@ -400,7 +408,7 @@ async fn generate(
     });
     let progress = timeline.as_ref().map(|t| t.progress.clone());
     state.inflight.fetch_add(1, Ordering::SeqCst);
-    let guard = Inflight {
+    let mut guard = Inflight {
         state: state.clone(),
         id,
         finished: false,
@@ -409,6 +417,20 @@ async fn generate(
     // A peer holds more of the prefix than this engine: its blocks come over first.
     if let Some(peer) = &peer {
         super::peer::fetch(&state, peer, &who.scope, &p.prompt).await;
+    }
+    if let Some(t) = guard.timeline.as_mut() {
+        let now = std::time::Instant::now();
+        if peer.is_some() {
+            let start = t.submitted;
+            t.trace.record(
+                "engine.peer_fetch",
+                SpanKind::Client,
+                start,
+                now,
+                Vec::new(),
+            );
+        }
+        t.submitted = now;
     }
     state
         .commands
