@@ -3,11 +3,12 @@
 //! once, through a PostgreSQL outage, a sink killed and restarted, a consumer that died with
 //! entries pending, and every entry delivered twice.
 
-use kvgate_tests::gateway::{chat_body, config, gated_engine, StoreKind, TestGateway};
+use kvgate_tests::gateway::{
+    chat_body, config, gated_engine, stream_and_leave, StoreKind, TestGateway,
+};
 use kvgate_tests::postgres::PostgresServer;
 use kvgate_tests::redis::RedisServer;
 use serde_json::{json, Value};
-use std::io::{Read, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -39,45 +40,39 @@ impl Drop for Proc {
     }
 }
 
+/// What a run of traffic sent, and what the finished requests' clients were told.
+#[derive(Default)]
+struct Sent {
+    requests: u64,
+    cut: u64,
+    prompt: u64,
+    completion: u64,
+}
+
 /// `n` requests from each key: whole answers, and every third a stream cut after its first
-/// token. Returns what the finished ones' clients were told: (prompt, completion) tokens.
-fn traffic(gw: &TestGateway, keys: &[String], n: usize) -> (u64, u64) {
-    let mut told = (0, 0);
+/// token.
+fn traffic(gw: &TestGateway, keys: &[String], n: usize, sent: &mut Sent) {
     for i in 0..n {
         for key in keys {
             let user = format!("Name a colour, number {i}.");
+            sent.requests += 1;
             if i % 3 == 2 {
                 cut_stream(gw, key, &user);
+                sent.cut += 1;
                 continue;
             }
             let r = gw.chat(key, None, &user, r#","max_tokens":2"#);
             assert_eq!(r.status, 200, "{}", r.body);
             let u = &r.json()["usage"];
-            told.0 += u["prompt_tokens"].as_u64().unwrap();
-            told.1 += u["completion_tokens"].as_u64().unwrap();
+            sent.prompt += u["prompt_tokens"].as_u64().unwrap();
+            sent.completion += u["completion_tokens"].as_u64().unwrap();
         }
     }
-    told
 }
 
 fn cut_stream(gw: &TestGateway, key: &str, user: &str) {
     let body = chat_body(None, user, r#","max_tokens":32,"stream":true"#);
-    let mut s = std::net::TcpStream::connect(gw.addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(
-        s,
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n\
-         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("\"delta\"") {
-        let n = s.read(&mut buf).unwrap();
-        assert!(n > 0, "stream ended before its first token");
-        seen.extend_from_slice(&buf[..n]);
-    }
+    stream_and_leave(gw.addr, key, "", &body);
 }
 
 /// The gateway's ledger records, newest first.
@@ -128,30 +123,33 @@ fn every_record_lands_in_postgres_exactly_once() {
             .spawn()
             .unwrap(),
     );
-    let told_1 = traffic(&gw, &keys, 6);
-    wait_rows(&pg, 18);
+    // 201 requests from 3 tenants in all (67 each), 63 of them streams cut by their client.
+    let mut sent = Sent::default();
+    traffic(&gw, &keys, 22, &mut sent);
+    wait_rows(&pg, sent.requests);
 
     // PostgreSQL goes down: the records wait in the stream, the sink retries.
     pg.stop();
-    let told_2 = traffic(&gw, &keys, 6);
+    traffic(&gw, &keys, 22, &mut sent);
     std::thread::sleep(Duration::from_millis(500));
     pg.restart();
-    wait_rows(&pg, 36);
+    wait_rows(&pg, sent.requests);
 
     // The sink is killed; records arrive meanwhile; it comes back under its name.
     let _ = a.0.kill();
     let _ = a.0.wait();
-    let told_3 = traffic(&gw, &keys, 3);
+    traffic(&gw, &keys, 11, &mut sent);
     a = Proc(
         sink(&redis.url(), &pg.url(), "sink-a", &[])
             .spawn()
             .unwrap(),
     );
-    wait_rows(&pg, 45);
+    wait_rows(&pg, sent.requests);
     drop(a);
 
     // A consumer that read entries and died before writing them: another sink claims them.
-    let told_4 = traffic(&gw, &keys, 3);
+    traffic(&gw, &keys, 12, &mut sent);
+    assert_eq!((sent.requests, sent.cut), (201, 63));
     let claimed = redis.cmd(&[
         "XREADGROUP",
         "GROUP",
@@ -169,7 +167,7 @@ fn every_record_lands_in_postgres_exactly_once() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
-    assert_eq!(rows(&pg), 54);
+    assert_eq!(rows(&pg), sent.requests);
 
     // Every entry delivered again (a sink that committed and died before acknowledging):
     // nothing is counted twice.
@@ -184,31 +182,30 @@ fn every_record_lands_in_postgres_exactly_once() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
-    assert_eq!(rows(&pg), 54);
+    assert_eq!(rows(&pg), sent.requests);
 
     // The table says what the ledger says, record by record, and what the clients were told.
     let records = ledger(&gw);
-    assert_eq!(records.len(), 54);
+    assert_eq!(records.len() as u64, sent.requests);
     let sum = |f: &str| records.iter().map(|r| r[f].as_u64().unwrap()).sum::<u64>();
     let table = pg.query(
         "SELECT count(DISTINCT id), sum(prompt_tokens), sum(completion_tokens), \
          sum(cached_tokens), count(*) FILTER (WHERE ending = 'cancelled') FROM usage_records",
     );
     let expect = format!(
-        "54|{}|{}|{}|18",
+        "{}|{}|{}|{}|{}",
+        sent.requests,
         sum("prompt_tokens"),
         sum("completion_tokens"),
-        sum("cached_tokens")
+        sum("cached_tokens"),
+        sent.cut
     );
     assert_eq!(table, expect);
     let done = pg.query(
         "SELECT sum(prompt_tokens), sum(completion_tokens) FROM usage_records \
          WHERE ending = 'completed'",
     );
-    let told = [told_1, told_2, told_3, told_4]
-        .iter()
-        .fold((0, 0), |acc, t| (acc.0 + t.0, acc.1 + t.1));
-    assert_eq!(done, format!("{}|{}", told.0, told.1));
+    assert_eq!(done, format!("{}|{}", sent.prompt, sent.completion));
     let cut_served: u64 = pg
         .query("SELECT min(completion_tokens) FROM usage_records WHERE ending = 'cancelled'")
         .parse()
