@@ -51,6 +51,16 @@ fn traced_gateway(engine: &Engine, endpoint: &str, sample_ratio: f64) -> TestGat
     gw
 }
 
+/// A receiver, an engine and a gateway exporting to it (sampling `sample_ratio`), and a key of
+/// tenant `acme`; `None` where the venv has no `opentelemetry-proto` (the test skips).
+fn traced_stack(sample_ratio: f64) -> Option<(OtlpReceiver, Engine, TestGateway, String)> {
+    let otlp = OtlpReceiver::start()?;
+    let engine = traced_engine(&otlp.endpoint());
+    let gw = traced_gateway(&engine, &otlp.endpoint(), sample_ratio);
+    let key = gw.tenant("acme", serde_json::json!({}));
+    Some((otlp, engine, gw, key))
+}
+
 fn chat_with(gw: &TestGateway, key: &str, traceparent: &str, user: &str) -> Response {
     let auth = format!("Bearer {key}");
     let body = chat_body(Some(SYSTEM), user, r#","max_tokens":6"#);
@@ -167,12 +177,9 @@ fn check_request_trace(spans: &[Value], usage: &Value, cached_expected: bool) {
 
 #[test]
 fn one_request_is_one_trace_across_gateway_and_engine() {
-    let Some(otlp) = OtlpReceiver::start() else {
+    let Some((otlp, _engine, gw, key)) = traced_stack(1.0) else {
         return;
     };
-    let engine = traced_engine(&otlp.endpoint());
-    let gw = traced_gateway(&engine, &otlp.endpoint(), 1.0);
-    let key = gw.tenant("acme", serde_json::json!({}));
     let mut names: Vec<&str> = GATEWAY_SPANS.to_vec();
     names.extend(ENGINE_SPANS);
 
@@ -255,12 +262,9 @@ fn wait_new_root(otlp: &OtlpReceiver, before: usize) -> Value {
 /// 499 with its upstream span, and the engine's request is marked cancelled, all exported.
 #[test]
 fn a_stream_cut_by_its_client_is_traced_to_its_end() {
-    let Some(otlp) = OtlpReceiver::start() else {
+    let Some((otlp, _engine, gw, key)) = traced_stack(1.0) else {
         return;
     };
-    let engine = traced_engine(&otlp.endpoint());
-    let gw = traced_gateway(&engine, &otlp.endpoint(), 1.0);
-    let key = gw.tenant("acme", serde_json::json!({}));
     let body = chat_body(
         Some(SYSTEM),
         "Tell me a long story.",
@@ -293,12 +297,9 @@ fn a_stream_cut_by_its_client_is_traced_to_its_end() {
 /// costs requests nothing and is counted.
 #[test]
 fn unsampled_requests_leave_no_spans_and_a_dead_collector_costs_nothing() {
-    let Some(otlp) = OtlpReceiver::start() else {
+    let Some((otlp, engine, gw, key)) = traced_stack(0.0) else {
         return;
     };
-    let engine = traced_engine(&otlp.endpoint());
-    let gw = traced_gateway(&engine, &otlp.endpoint(), 0.0);
-    let key = gw.tenant("acme", serde_json::json!({}));
     for i in 0..3 {
         let parent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
         chat_with(&gw, &key, &parent, &format!("Question {i}?"));
