@@ -12,7 +12,7 @@
 
 mod guard;
 
-use self::guard::{Billed, EngineLoad, Lease, Outcome};
+use self::guard::{Admitting, Billed, EngineLoad, Lease, Outcome};
 use crate::auth::Principal;
 use crate::extensions::{BodyLimit, RequestId};
 use crate::routing::prefix::PromptHashes;
@@ -497,21 +497,22 @@ async fn admit(
     if buckets.is_empty() {
         return Ok(None);
     }
-    let id = Lease::new_id();
-    let mut admitted = Vec::with_capacity(buckets.len());
+    // Dropped unfinished (the client left, the deadline passed), it releases what was asked.
+    let mut lease = Admitting::new(gw);
     for (bucket, limits) in buckets {
         let adm = Admission {
             tenant: &bucket,
             limits,
-            lease: &id,
+            lease: lease.ask(&bucket, limits),
             lease_ms: guard::LEASE.as_millis() as u64,
             tokens: prompt_tokens,
         };
         match gw.store.admit(adm).await {
-            Ok(Ok(())) => admitted.push((bucket, limits)),
+            Ok(Ok(())) => {}
             Ok(Err(refusal)) => {
                 // The buckets that admitted it get their slots back.
-                drop(Lease::held(gw, admitted, id));
+                lease.refused();
+                drop(lease);
                 gw.metrics.ratelimited(&p.tenant.id);
                 let secs = refusal.retry_after_ms().div_ceil(1000).max(1);
                 let whose = if bucket == p.tenant.id {
@@ -529,13 +530,13 @@ async fn admit(
             }
             Err(e) => {
                 gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
+                // The store may have taken the lease before it failed: it stays asked, and
+                // is released all the same.
                 tracing::warn!(error = %e, "rate limiter unavailable; admitting");
-                // The store may have taken the lease before it failed: release it all the same.
-                admitted.push((bucket, limits));
             }
         }
     }
-    Ok(Some(Lease::held(gw, admitted, id)))
+    Ok(Some(lease.admitted()))
 }
 
 /// Names the engine that answered (`x-kvgate-engine`), for operators and tests.

@@ -5,7 +5,7 @@
 //! elsewhere; a revoked key stops working on every replica at once.
 
 use kvgate_tests::gateway::{chat_body, config, gated_engine, HungEngine, StoreKind, TestGateway};
-use kvgate_tests::redis::RedisServer;
+use kvgate_tests::redis::{RedisServer, Reply};
 use kvgate_tests::{request, Engine};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
@@ -226,6 +226,50 @@ fn a_client_leaving_before_the_first_byte_releases_everything() {
     wait_idle(&gw, "e");
     // The lease came back with the request: the tenant's one slot is free again.
     wait_admitted(&gw, &key, &[429]);
+}
+
+/// A client that leaves while its admission is on its way through Redis (which holds writes
+/// for a second, as a busy or failing-over primary would) gets its slot back at once: the store
+/// takes the lease after the request is gone, and the release follows it, instead of the slot
+/// staying taken until the lease lapses a minute later.
+#[test]
+fn a_client_leaving_during_admission_releases_its_lease() {
+    let _serial = serial();
+    let redis = RedisServer::start();
+    let (_e, gw) = one_engine(StoreKind::Redis(redis.url()));
+    // A slow tokens/min (2 a second), so that every admission's charge shows for seconds.
+    let key = gw.tenant("t", json!({"max_concurrent": 1, "tokens_per_min": 120}));
+    // Served once, so the key's last-used time is written now and not during the next request.
+    wait_admitted(&gw, &key, &[]);
+    let (conc, tok) = ("kvgate:rl:t:conc", "kvgate:rl:t:tok");
+    assert_eq!(redis.cmd(&["ZCARD", conc]), Reply::Int(0));
+    let charged = || {
+        redis
+            .cmd(&["GET", tok])
+            .as_str()
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    let before = charged().expect("the first request's tokens are charged");
+    redis.cmd(&["CLIENT", "PAUSE", "1000", "WRITE"]);
+    let s = send(&gw, &key, &chat_body(None, "Hi", r#","max_tokens":1"#), "");
+    std::thread::sleep(Duration::from_millis(300));
+    drop(s);
+    std::thread::sleep(Duration::from_millis(1200));
+    // The admission did run (it charged the prompt), after its client had left ...
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while charged().is_none_or(|t| t <= before) {
+        assert!(
+            Instant::now() < deadline,
+            "the admission never reached Redis"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // ... and the lease it took is released.
+    while redis.cmd(&["ZCARD", conc]) != Reply::Int(0) {
+        assert!(Instant::now() < deadline, "the lease stayed taken");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    wait_admitted(&gw, &key, &[]);
 }
 
 #[test]

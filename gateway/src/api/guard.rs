@@ -2,7 +2,9 @@
 //! failed, timed out, its client gone before the first byte or mid-stream, its future dropped)
 //! can leak it:
 //! - [`Lease`]: the tenant's concurrency slot and the tokens still to charge to tokens/min;
-//!   renewed while the request lives, released (with the charge) when it ends;
+//!   renewed while the request lives, released (with the charge) when it ends; held from the
+//!   moment the store is asked for it ([`Admitting`]), so a request dropped while its admission
+//!   is on the wire releases what the store took;
 //! - [`EngineLoad`]: the engine's in-flight count and queued prefill tokens, the load routing
 //!   and `drain --wait` read;
 //! - [`Outcome`]: the request's status and duration in the metrics (499 when the client left
@@ -53,14 +55,9 @@ pub struct Lease {
 }
 
 impl Lease {
-    /// A lease id for an admission; [`Lease::held`] takes it once admitted.
-    pub fn new_id() -> Arc<str> {
-        Arc::from(lease_id())
-    }
-
     /// Holds a lease admitted by `buckets`, renewing it while the request lives in those that
     /// count it against a concurrency limit.
-    pub fn held(gw: &Arc<Gateway>, buckets: Vec<(String, RateLimits)>, id: Arc<str>) -> Lease {
+    fn held(gw: &Arc<Gateway>, buckets: Vec<(String, RateLimits)>, id: Arc<str>) -> Lease {
         let buckets: Arc<[(String, RateLimits)]> = buckets.into();
         let counted = buckets.iter().any(|(_, l)| l.max_concurrent.is_some());
         let renewer = counted.then(|| {
@@ -136,6 +133,60 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         let _ = self.start_release();
+    }
+}
+
+/// A lease while the store is asked to admit it, bucket by bucket. A bucket holds the lease
+/// from the moment it is asked: the store may take it though its answer never arrives (the
+/// client left, the request's deadline passed, the call timed out). Dropped before
+/// [`Admitting::admitted`], it releases every bucket asked and not refused.
+#[derive(Debug)]
+pub struct Admitting {
+    gw: Arc<Gateway>,
+    id: Arc<str>,
+    buckets: Vec<(String, RateLimits)>,
+}
+
+impl Admitting {
+    pub fn new(gw: &Arc<Gateway>) -> Admitting {
+        Admitting {
+            gw: gw.clone(),
+            id: Arc::from(lease_id()),
+            buckets: Vec::new(),
+        }
+    }
+
+    /// The lease id to ask `bucket` for; from now on `bucket` is released with the rest.
+    pub fn ask(&mut self, bucket: &str, limits: RateLimits) -> &str {
+        self.buckets.push((bucket.to_owned(), limits));
+        &self.id
+    }
+
+    /// The bucket asked last refused: it holds nothing to release.
+    pub fn refused(&mut self) {
+        self.buckets.pop();
+    }
+
+    /// Every bucket admitted the request: the lease, renewed while it lives.
+    pub fn admitted(mut self) -> Lease {
+        let buckets = std::mem::take(&mut self.buckets);
+        Lease::held(&self.gw, buckets, self.id.clone())
+    }
+}
+
+impl Drop for Admitting {
+    fn drop(&mut self) {
+        if !self.buckets.is_empty() {
+            let mut lease = Lease {
+                gw: self.gw.clone(),
+                buckets: std::mem::take(&mut self.buckets).into(),
+                id: self.id.clone(),
+                owed: 0,
+                renewer: None,
+                released: false,
+            };
+            let _ = lease.start_release();
+        }
     }
 }
 
