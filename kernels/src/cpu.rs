@@ -1,6 +1,6 @@
 //! The CPU backend: [`Cpu`] runs every [`Backend`] operation on the host, with AVX-512 kernels
 //! when the CPU has them (detected once, at construction) and portable Rust otherwise, spread
-//! over rayon's global thread pool.
+//! over the kernels' own thread pool ([`pool`]: spinning between the calls of one step).
 //!
 //! Layout of the backend, one file per kind of work:
 //! - [`tensor`]: storage (activations, weights, paged pools);
@@ -17,6 +17,7 @@ pub mod attention;
 mod cache;
 mod matmul;
 mod norm_rope;
+mod pool;
 pub mod simd;
 pub mod tensor;
 
@@ -64,6 +65,14 @@ pub(crate) struct SharedOut(pub(crate) *mut f32);
 unsafe impl Send for SharedOut {}
 // SAFETY: as above.
 unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The element `i` places past the start (a method, so closures capture the whole
+    /// `SharedOut` and not its raw pointer).
+    pub(crate) fn at(&self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
 
 impl Backend for Cpu {
     type Tensor = CpuTensor;

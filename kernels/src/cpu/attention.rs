@@ -9,7 +9,7 @@
 //! row keeps an online softmax (running max `m`, sum `l`, output accumulator) that it updates
 //! once per tile. The next tile's K/V lines are prefetched while the current one is computed
 //! (the next block is anywhere in the pool). Query j of a sequence sits at position `context_len - query_len + j` and sees
-//! positions `0..=` its own (causal). Items run in parallel on rayon.
+//! positions `0..=` its own (causal). Items run in parallel on the kernels' thread pool.
 //!
 //! Cost: O(sum over rows of attended tokens * head_dim) multiply-adds; K/V are read once per
 //! item. The same tile loop also runs over contiguous K/V ([`dense_attention`]), which is the
@@ -19,8 +19,6 @@ mod avx512;
 mod portable;
 
 use std::cell::RefCell;
-
-use rayon::prelude::*;
 
 use super::simd::{Elem, Isa};
 use super::tensor::{CpuCache, CpuTensor, Store};
@@ -341,7 +339,7 @@ fn run<E: Elem, L: KvLayout>(
     if items.len() == 1 || pairs < PARALLEL_MIN_PAIRS {
         items.iter().for_each(work);
     } else {
-        items.par_iter().for_each(work);
+        super::pool::pool().run(items.len(), &|i| work(&items[i]));
     }
 }
 

@@ -16,8 +16,7 @@
 mod avx512;
 mod portable;
 
-use rayon::prelude::*;
-
+use super::pool::pool;
 use super::simd::{Elem, Isa};
 use super::tensor::{CpuTensor, CpuWeight, Store};
 use super::SharedOut;
@@ -85,7 +84,7 @@ fn run<E: Elem>(isa: Isa, x: &[f32], w: &[E], d: Dims, out: &mut [f32]) {
     let threads = if d.m * d.n * d.k < PARALLEL_MIN_WORK {
         1
     } else {
-        rayon::current_num_threads().max(1)
+        pool().threads()
     };
     let gemv = d.m <= GEMV_MAX_ROWS;
     let chunk = if gemv {
@@ -105,7 +104,7 @@ fn run<E: Elem>(isa: Isa, x: &[f32], w: &[E], d: Dims, out: &mut [f32]) {
     if chunks == 1 {
         task(0);
     } else {
-        (0..chunks).into_par_iter().for_each(task);
+        pool().run(chunks, &task);
     }
 }
 

@@ -6,8 +6,6 @@
 //! the same formulas as Hugging Face (`_compute_default_rope_parameters`,
 //! `_compute_llama3_parameters`) and candle, so positions match them bit for bit.
 
-use rayon::prelude::*;
-
 use super::simd::{Elem, Isa};
 use super::tensor::{CpuTensor, CpuWeight, Store};
 use crate::backend::RopeConfig;
@@ -25,9 +23,19 @@ fn for_rows(data: &mut [f32], cols: usize, f: impl Fn(usize, &mut [f32]) + Sync 
             .enumerate()
             .for_each(|(i, r)| f(i, r));
     } else {
-        data.par_chunks_exact_mut(cols)
-            .enumerate()
-            .for_each(|(i, r)| f(i, r));
+        let rows = data.len() / cols;
+        let pool = super::pool::pool();
+        let per_task = rows.div_ceil(4 * pool.threads()).max(1);
+        let ptr = super::SharedOut(data.as_mut_ptr());
+        pool.run(rows.div_ceil(per_task), &|t| {
+            let (r0, r1) = (t * per_task, ((t + 1) * per_task).min(rows));
+            for i in r0..r1 {
+                // SAFETY: task t alone touches rows r0..r1 of `data`, which the caller borrows
+                // mutably until every task is done.
+                let row = unsafe { std::slice::from_raw_parts_mut(ptr.at(i * cols), cols) };
+                f(i, row);
+            }
+        });
     }
 }
 
