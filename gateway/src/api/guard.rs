@@ -77,12 +77,19 @@ impl Lease {
                 }
             })
         });
+        let mut lease = Lease::unrenewed(gw, buckets, id);
+        lease.renewer = renewer;
+        lease
+    }
+
+    /// A lease of `buckets` that nothing renews (released when dropped).
+    fn unrenewed(gw: &Arc<Gateway>, buckets: Arc<[(String, RateLimits)]>, id: Arc<str>) -> Lease {
         Lease {
             gw: gw.clone(),
             buckets,
             id,
             owed: 0,
-            renewer,
+            renewer: None,
             released: false,
         }
     }
@@ -177,15 +184,8 @@ impl Admitting {
 impl Drop for Admitting {
     fn drop(&mut self) {
         if !self.buckets.is_empty() {
-            let mut lease = Lease {
-                gw: self.gw.clone(),
-                buckets: std::mem::take(&mut self.buckets).into(),
-                id: self.id.clone(),
-                owed: 0,
-                renewer: None,
-                released: false,
-            };
-            let _ = lease.start_release();
+            let buckets = std::mem::take(&mut self.buckets);
+            drop(Lease::unrenewed(&self.gw, buckets.into(), self.id.clone()));
         }
     }
 }
