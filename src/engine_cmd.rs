@@ -40,7 +40,7 @@ pub fn engine(args: EngineArgs) -> Result<()> {
 
 fn run(config: EngineConfig) -> Result<()> {
     init_tracing();
-    let dir = model_cmd::resolve(config.model.as_deref())?;
+    let dir = model_cmd::resolve(config.model.as_deref(), config.dtype.quant().is_some())?;
     let state = launch::start(&config, &dir)
         .with_context(|| format!("starting the engine on {}", dir.display()))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -51,7 +51,7 @@ pub fn gateway(args: GatewayArgs) -> Result<()> {
     }
     config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     crate::engine_cmd::init_tracing();
-    let dir = model_cmd::resolve(config.model.as_deref())?;
+    let dir = model_cmd::resolve(config.model.as_deref(), false)?;
     if config.context_tokens.is_none() {
         config.context_tokens = model_context_tokens(&dir);
     }

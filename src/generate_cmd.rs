@@ -14,11 +14,18 @@ use kvgate_protocol::prompt::ChatMessage;
 use std::io::Write;
 use std::path::PathBuf;
 
+/// `--dtype`: the weights' type in memory.
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum DTypeArg {
     F32,
     F16,
     Bf16,
+    /// Matrices in Q8_0 blocks.
+    #[value(name = "q8_0")]
+    Q8_0,
+    /// Projections in Q4_1 blocks, the embedding table in Q8_0 (a Q4_1 GGUF as shipped).
+    #[value(name = "q4_1")]
+    Q4_1,
 }
 
 impl From<DTypeArg> for WeightDType {
@@ -27,6 +34,8 @@ impl From<DTypeArg> for WeightDType {
             DTypeArg::F32 => WeightDType::F32,
             DTypeArg::F16 => WeightDType::F16,
             DTypeArg::Bf16 => WeightDType::Bf16,
+            DTypeArg::Q8_0 => WeightDType::Q8_0,
+            DTypeArg::Q4_1 => WeightDType::Q4_1,
         }
     }
 }
@@ -77,11 +86,12 @@ fn check_device(device: &str) -> Result<Device> {
 
 pub fn run(args: GenerateArgs) -> Result<()> {
     let device = check_device(&args.device)?;
-    let dir = model_cmd::resolve(args.model.as_deref())?;
+    let dtype = WeightDType::from(args.dtype);
+    let dir = model_cmd::resolve(args.model.as_deref(), dtype.quant().is_some())?;
     let config = EngineConfig {
         model: Some(dir.clone()),
         device,
-        dtype: args.dtype.into(),
+        dtype,
         kv: KvSection {
             blocks: Some(args.kv_blocks),
             ..KvSection::default()

@@ -6,7 +6,7 @@ use crate::assets;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvgate_engine::model::gguf::import_gguf;
+use kvgate_engine::model::gguf::{import_gguf_with, ImportOptions, StorageDtype};
 use sha2::{Digest, Sha256};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -29,16 +29,20 @@ pub enum ModelCommand {
 pub struct ImportArgs {
     gguf: PathBuf,
     out_dir: PathBuf,
+    /// Keep Q8_0 and Q4_1 tensors as their blocks (run them with dtype q8_0 / q4_1; other dtypes
+    /// widen them at load) instead of converting every tensor to f32.
+    #[arg(long)]
+    keep_quant: bool,
 }
 
 pub fn run(cmd: ModelCommand) -> Result<()> {
     match cmd {
         ModelCommand::Fetch => {
-            let dir = default_model()?;
+            let dir = default_model(false)?;
             println!("{}", dir.display());
         }
         ModelCommand::Import(a) => {
-            import(&a.gguf, &a.out_dir)?;
+            import(&a.gguf, &a.out_dir, a.keep_quant)?;
             println!("{}", a.out_dir.display());
         }
     }
@@ -46,16 +50,19 @@ pub fn run(cmd: ModelCommand) -> Result<()> {
 }
 
 /// The model directory for `--model`: as given, imported from a `.gguf`, or the default model.
-pub fn resolve(model: Option<&Path>) -> Result<PathBuf> {
+/// With `quantized` (dtype q8_0 / q4_1), a `.gguf` (and the default model, a Q4_1 file) is
+/// imported keeping its quantized tensors as they are, into a directory of its own.
+pub fn resolve(model: Option<&Path>, quantized: bool) -> Result<PathBuf> {
+    let suffix = if quantized { "-quantized" } else { "" };
     match model {
-        None => default_model(),
+        None => default_model(quantized),
         Some(p) if p.extension().is_some_and(|e| e == "gguf") => {
             let stem = p.file_stem().and_then(|s| s.to_str()).unwrap_or("model");
             let out = assets::home()?
                 .join("models")
-                .join(format!("imported-{stem}"));
+                .join(format!("imported-{stem}{suffix}"));
             if !out.join("config.json").exists() {
-                import(p, &out)?;
+                import(p, &out, quantized)?;
             }
             Ok(out)
         }
@@ -67,10 +74,12 @@ pub fn resolve(model: Option<&Path>) -> Result<PathBuf> {
     }
 }
 
-/// The default model's directory, fetched and imported on first use.
-pub fn default_model() -> Result<PathBuf> {
+/// The default model's directory, fetched and imported on first use (`quantized`: its Q4_1 and
+/// Q8_0 tensors kept as shipped).
+pub fn default_model(quantized: bool) -> Result<PathBuf> {
     let home = assets::home()?;
-    let out = home.join("models").join(DEFAULT_MODEL);
+    let suffix = if quantized { "-quantized" } else { "" };
+    let out = home.join("models").join(format!("{DEFAULT_MODEL}{suffix}"));
     if out.join("config.json").exists() {
         return Ok(out);
     }
@@ -84,7 +93,7 @@ pub fn default_model() -> Result<PathBuf> {
             bail!("{}: sha256 {got}, expected {GGUF_SHA256}", gguf.display());
         }
     }
-    import(&gguf, &out)?;
+    import(&gguf, &out, quantized)?;
     Ok(out)
 }
 
@@ -121,7 +130,7 @@ fn sha256(path: &Path) -> Result<String> {
 /// Imports into a private directory beside `out`, then renames it into place, so processes that
 /// start at once (two gateways, a gateway and an engine) never read a half-written model; when
 /// another process got there first, its copy is kept.
-fn import(gguf: &Path, out: &Path) -> Result<()> {
+fn import(gguf: &Path, out: &Path, keep_quant: bool) -> Result<()> {
     let progress = bar(0, "converting");
     let tmp = out.with_file_name(format!(
         ".{}.importing-{}",
@@ -129,7 +138,14 @@ fn import(gguf: &Path, out: &Path) -> Result<()> {
         std::process::id()
     ));
     let _ = std::fs::remove_dir_all(&tmp);
-    let summary = import_gguf(gguf, &tmp, &mut |done, total| {
+    let options = ImportOptions {
+        dtype: if keep_quant {
+            StorageDtype::Quantized
+        } else {
+            StorageDtype::F32
+        },
+    };
+    let summary = import_gguf_with(gguf, &tmp, &options, &mut |done, total| {
         progress.set_length(total);
         progress.set_position(done);
     })

@@ -7,7 +7,7 @@
 use crate::{gateway_cmd, model_cmd};
 use anyhow::{Context, Result};
 use clap::Args;
-use kvgate_engine::server::config::{AuthSection, EngineConfig, KvSection};
+use kvgate_engine::server::config::{AuthSection, EngineConfig, KvSection, WeightDType};
 use kvgate_engine::server::{self, launch};
 use kvgate_gateway::config::EngineEntry;
 use kvgate_gateway::store::MemoryStore;
@@ -47,6 +47,9 @@ pub struct ServeArgs {
     /// KV cache blocks (16 tokens each).
     #[arg(long, default_value_t = 2048)]
     kv_blocks: u32,
+    /// The weights' type in memory: `q4_1` runs the default model's Q4_1 file as shipped.
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: crate::generate_cmd::DTypeArg,
     /// Bytes of the disk tier under `$KVGATE_HOME/kv-cache`, where evicted prefixes live on and
     /// which a restart serves from (0: no disk tier).
     #[arg(long, default_value_t = 4 << 30)]
@@ -69,7 +72,7 @@ fn tracing_config(endpoint: &Option<String>, service: &str) -> TracingConfig {
 /// The disk tier's directory and the hash seed it is keyed by, both under `$KVGATE_HOME`: the
 /// seed is made once and kept (owner-only), so a restarted `serve` hits the blocks it wrote.
 /// `None` (no disk tier, a fresh seed) when the directory cannot be used.
-fn disk_tier(model: &std::path::Path) -> Option<(PathBuf, String)> {
+fn disk_tier(model: &std::path::Path, dtype: WeightDType) -> Option<(PathBuf, String)> {
     let home = crate::assets::home().ok()?;
     let seed_path = home.join("serve-hash-seed");
     let seed = match std::fs::read_to_string(&seed_path) {
@@ -81,13 +84,18 @@ fn disk_tier(model: &std::path::Path) -> Option<(PathBuf, String)> {
             seed
         }
     };
-    // Named by the model and a digest of its weights: other weights get a directory of their
-    // own rather than a refusal to start.
+    // Named by the model, a digest of its weights and the type they run in (quantized weights
+    // compute other K/V): other weights get a directory of their own rather than a refusal to
+    // start.
     let name = model.file_name()?.to_string_lossy().into_owned();
     let digest = kvgate_engine::server::launch::model_digest(model).ok()?;
+    let kind = match dtype {
+        WeightDType::F32 => String::new(),
+        other => format!("-{}", format!("{other:?}").to_ascii_lowercase()),
+    };
     Some((
         home.join("kv-cache")
-            .join(format!("{name}-{}", &digest[..12])),
+            .join(format!("{name}-{}{kind}", &digest[..12])),
         seed,
     ))
 }
@@ -144,11 +152,12 @@ fn secret() -> String {
 
 pub fn serve(args: ServeArgs) -> Result<()> {
     crate::engine_cmd::init_tracing();
-    let dir = model_cmd::resolve(args.model.as_deref())?;
+    let dtype = WeightDType::from(args.dtype);
+    let dir = model_cmd::resolve(args.model.as_deref(), dtype.quant().is_some())?;
     let operator_token = secret();
     let engine_token = secret();
     let tier = (args.disk_tier_bytes > 0)
-        .then(|| disk_tier(&dir))
+        .then(|| disk_tier(&dir, dtype))
         .flatten();
     let seed = tier.as_ref().map_or_else(secret, |(_, seed)| seed.clone());
     let engine_config = EngineConfig {
@@ -172,6 +181,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             operator_token: Some(operator_token.clone()),
         },
         tracing: tracing_config(&args.otlp_endpoint, "kvgate-engine"),
+        dtype,
         ..EngineConfig::default()
     };
     engine_config

@@ -1,13 +1,19 @@
 //! End-to-end model speed on this machine, through the engine's real path (block manager, paged
 //! attention, the CPU backend): single-stream decode, 512-token prefill and batched decode of 32
-//! sequences, in f32 and f16, next to the machine's memory bandwidth measured in the same run.
-//! Prints one JSON object per figure. `scripts/bench-model` runs llama.cpp beside it.
+//! sequences, with f32, f16, Q8_0 and Q4_1 weights, next to the machine's memory bandwidth
+//! measured in the same run, and the memory each load took. Prints one JSON object per figure.
+//! `scripts/bench-model` runs llama.cpp beside it.
 //!
-//! cargo bench -p kvgate-engine --bench model   (model: $KVGATE_BENCH_MODEL or the test copy)
+//! cargo bench -p kvgate-engine --bench model
+//!
+//! Model: $KVGATE_BENCH_MODEL or the test copy (f32); the quantized formats load
+//! $KVGATE_BENCH_QUANT_MODEL (an import with `--keep-quant`: the GGUF's own blocks) when set,
+//! and quantize the f32 model at load otherwise. $KVGATE_BENCH_WEIGHTS (`f32,q4_1`, ...) picks
+//! formats; $KVGATE_CPU_ISA (`avx2`, `portable`) a lower instruction set than the CPU's best.
 
 use kvgate_engine::kv::{test_manager, KvCacheManager, SeqId};
 use kvgate_engine::model::{Batch, Llama, LoadOptions};
-use kvgate_kernels::{AttnSeq, Cpu, DType};
+use kvgate_kernels::{AttnSeq, Cpu, DType, Quant};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -185,14 +191,35 @@ fn main() {
         );
         return;
     }
+    let quant_dir = std::env::var_os("KVGATE_BENCH_QUANT_MODEL").map(PathBuf::from);
+    let wanted = std::env::var("KVGATE_BENCH_WEIGHTS").unwrap_or_default();
     let bw = bandwidth_gb_s();
     println!("{{\"figure\":\"memory_bandwidth_gb_s\",\"value\":{bw:.2}}}");
-    for (name, dtype, bytes) in [("f32", DType::F32, 4.0), ("f16", DType::F16, 2.0)] {
+    println!(
+        "{{\"figure\":\"isa\",\"value\":\"{}\"}}",
+        kvgate_kernels::Backend::name(&Cpu::new())
+    );
+    let formats = [
+        ("f32", DType::F32, None),
+        ("f16", DType::F16, None),
+        ("q8_0", DType::F32, Some(Quant::Q8_0)),
+        ("q4_1", DType::F32, Some(Quant::Q4_1)),
+    ];
+    for (name, dtype, quant) in formats {
+        if !wanted.is_empty() && !wanted.split(',').any(|w| w.trim() == name) {
+            continue;
+        }
+        let from = match (&quant, &quant_dir) {
+            (Some(_), Some(q)) => q.clone(),
+            _ => dir.clone(),
+        };
+        let rss_before = rss_bytes();
         let model = Llama::load(
             Cpu::new(),
-            &dir,
+            &from,
             LoadOptions {
                 dtype,
+                quant,
                 kv_dtype: DType::F32,
                 num_blocks: 2048,
                 num_host_blocks: 0,
@@ -202,11 +229,18 @@ fn main() {
         .expect("load the model");
         let vocab = model.config().vocab_size;
         let c = model.config().clone();
-        let params = (c.vocab_size * c.hidden_size
-            + c.num_layers
-                * (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-                    + c.num_heads * c.head_dim * c.hidden_size
-                    + 3 * c.hidden_size * c.intermediate_size)) as f64;
+        let rss_load = rss_bytes().saturating_sub(rss_before);
+        let table = (c.vocab_size * c.hidden_size) as f64;
+        let layers = (c.num_layers
+            * (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+                + c.num_heads * c.head_dim * c.hidden_size
+                + 3 * c.hidden_size * c.intermediate_size)) as f64;
+        // Bytes one decode step streams: every projection and the (tied) table once.
+        let weight_bytes = match quant {
+            None => (table + layers) * dtype.size_bytes() as f64,
+            Some(Quant::Q8_0) => (table + layers) * 34.0 / 32.0,
+            Some(Quant::Q4_1) => table * 34.0 / 32.0 + layers * 20.0 / 32.0,
+        };
         let mut r = Runner {
             model,
             kv: test_manager(2048, 0, BS),
@@ -216,7 +250,19 @@ fn main() {
         let decode = median((0..3).map(|_| decode_tok_s(&mut r, 128)).collect());
         let prefill = median((0..3).map(|_| prefill_tok_s(&mut r, 512)).collect());
         let batched = median((0..3).map(|_| batched_tok_s(&mut r, 32, 32)).collect());
-        let weight_gb_s = decode * params * bytes / 1e9;
-        println!("{{\"engine\":\"kvgate\",\"weights\":\"{name}\",\"decode_tok_s\":{decode:.2},\"prefill_512_tok_s\":{prefill:.1},\"batched32_tok_s\":{batched:.1},\"batched_over_single\":{:.2},\"decode_weight_gb_s\":{weight_gb_s:.2},\"decode_share_of_bandwidth\":{:.3}}}", batched / decode, weight_gb_s / bw);
+        let weight_gb_s = decode * weight_bytes / 1e9;
+        println!("{{\"engine\":\"kvgate\",\"weights\":\"{name}\",\"decode_tok_s\":{decode:.2},\"prefill_512_tok_s\":{prefill:.1},\"batched32_tok_s\":{batched:.1},\"batched_over_single\":{:.2},\"decode_weight_gb_s\":{weight_gb_s:.2},\"decode_share_of_bandwidth\":{:.3},\"weight_mb\":{:.1},\"load_rss_mb\":{:.1}}}", batched / decode, weight_gb_s / bw, weight_bytes / 1e6, rss_load as f64 / 1e6);
     }
+}
+
+/// The process's resident memory (Linux; 0 elsewhere).
+fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
 }

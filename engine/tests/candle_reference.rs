@@ -205,6 +205,7 @@ fn sharded_safetensors_load_like_one_file() {
         sharded.path(),
         LoadOptions {
             dtype: DType::F32,
+            quant: None,
             kv_dtype: DType::F32,
             num_blocks: 4,
             num_host_blocks: 0,

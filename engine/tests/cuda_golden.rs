@@ -32,6 +32,7 @@ fn generate<B: Backend>(
 ) -> (Vec<u32>, f64) {
     let opts = LoadOptions {
         dtype,
+        quant: None,
         kv_dtype: dtype,
         num_blocks: BLOCKS as usize,
         num_host_blocks: 0,

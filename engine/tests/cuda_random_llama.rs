@@ -214,6 +214,7 @@ fn random_llama_with_smollm2_tokenizer_generates_the_same_tokens() {
 fn greedy<B: Backend>(backend: B, dir: &Path, prompt: &[u32]) -> Vec<u32> {
     let opts = LoadOptions {
         dtype: DType::F32,
+        quant: None,
         kv_dtype: DType::F32,
         num_blocks: 64,
         num_host_blocks: 0,

@@ -1,7 +1,7 @@
 //! The `Backend` trait: every operation the engine's forward pass runs, on one device.
 //!
 //! Activations are f32 row-major matrices (`rows` tokens x `cols` features). Weights are stored in
-//! f32, f16 or bf16 and always accumulated in f32. The KV cache of one layer is a paged pool:
+//! f32, f16, bf16 or a block-quantized format ([`crate::quant`]) and always accumulated in f32. The KV cache of one layer is a paged pool:
 //! `[num_blocks, block_size, num_kv_heads, head_dim]`, one pool for K and one for V, indexed by
 //! physical slot `block * block_size + offset` (the block manager's slot numbering).
 //!
@@ -9,6 +9,8 @@
 //! against.
 
 use half::{bf16, f16};
+
+use crate::quant::{self, BlockQ4_1, BlockQ8_0, Quant, QuantBlock};
 
 /// Storage type of weights and KV caches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -46,6 +48,10 @@ pub enum WeightData {
     F32(Vec<f32>),
     F16(Vec<f16>),
     BF16(Vec<bf16>),
+    /// Q8_0 blocks, row-major: each row is `cols / 32` blocks.
+    Q8_0(Vec<BlockQ8_0>),
+    /// Q4_1 blocks, row-major: each row is `cols / 32` blocks.
+    Q4_1(Vec<BlockQ4_1>),
 }
 
 impl WeightData {
@@ -55,6 +61,8 @@ impl WeightData {
             WeightData::F32(v) => v.len(),
             WeightData::F16(v) => v.len(),
             WeightData::BF16(v) => v.len(),
+            WeightData::Q8_0(b) => b.len() * quant::QK,
+            WeightData::Q4_1(b) => b.len() * quant::QK,
         }
     }
 
@@ -63,12 +71,63 @@ impl WeightData {
         self.len() == 0
     }
 
-    /// Storage type of the values.
-    pub fn dtype(&self) -> DType {
+    /// Storage type of the values; `None` for quantized blocks ([`WeightData::quant`]).
+    pub fn dtype(&self) -> Option<DType> {
         match self {
-            WeightData::F32(_) => DType::F32,
-            WeightData::F16(_) => DType::F16,
-            WeightData::BF16(_) => DType::BF16,
+            WeightData::F32(_) => Some(DType::F32),
+            WeightData::F16(_) => Some(DType::F16),
+            WeightData::BF16(_) => Some(DType::BF16),
+            WeightData::Q8_0(_) | WeightData::Q4_1(_) => None,
+        }
+    }
+
+    /// The block format of quantized data.
+    pub fn quant(&self) -> Option<Quant> {
+        match self {
+            WeightData::Q8_0(_) => Some(Quant::Q8_0),
+            WeightData::Q4_1(_) => Some(Quant::Q4_1),
+            _ => None,
+        }
+    }
+
+    /// Bytes the values take in memory.
+    pub fn size_bytes(&self) -> usize {
+        match (self.dtype(), self.quant()) {
+            (Some(d), _) => self.len() * d.size_bytes(),
+            (None, Some(q)) => self.len() / quant::QK * q.block_bytes(),
+            (None, None) => unreachable!("every weight is dense or quantized"),
+        }
+    }
+
+    /// Quantized data widened to `dtype` (for backends without quantized kernels); dense data
+    /// is returned as it is.
+    pub fn dequantize(self, dtype: DType) -> WeightData {
+        fn widen<B: QuantBlock>(blocks: &[B], dtype: DType) -> WeightData {
+            let mut values = vec![0.0f32; blocks.len() * quant::QK];
+            quant::dequantize(blocks, &mut values);
+            WeightData::from_f32(values, dtype)
+        }
+        match self {
+            WeightData::Q8_0(b) => widen(&b, dtype),
+            WeightData::Q4_1(b) => widen(&b, dtype),
+            dense => dense,
+        }
+    }
+
+    /// `values` stored as `dtype`.
+    pub fn from_f32(values: Vec<f32>, dtype: DType) -> WeightData {
+        match dtype {
+            DType::F32 => WeightData::F32(values),
+            DType::F16 => WeightData::F16(values.iter().map(|&v| f16::from_f32(v)).collect()),
+            DType::BF16 => WeightData::BF16(values.iter().map(|&v| bf16::from_f32(v)).collect()),
+        }
+    }
+
+    /// `values` quantized to `quant` (a multiple of 32 long).
+    pub fn quantized(values: &[f32], quant: Quant) -> WeightData {
+        match quant {
+            Quant::Q8_0 => WeightData::Q8_0(quant::quantize(values)),
+            Quant::Q4_1 => WeightData::Q4_1(quant::quantize(values)),
         }
     }
 }

@@ -24,7 +24,7 @@ pub mod tensor;
 pub use attention::{dense_attention, DenseSeq};
 pub use norm_rope::CpuRope;
 pub use simd::Isa;
-pub use tensor::{CpuCache, CpuTensor, CpuWeight, Store};
+pub use tensor::{CpuCache, CpuTensor, CpuWeight, Store, WeightStore};
 
 use crate::backend::{AttnSeq, AttnShape, Backend, DType, RopeConfig, WeightData};
 
@@ -49,6 +49,11 @@ impl Cpu {
     /// A backend restricted to the portable kernels (for testing the fallback path).
     pub fn portable() -> Self {
         Cpu { isa: Isa::Portable }
+    }
+
+    /// A backend using `isa`, if this CPU supports it (for testing and comparing the paths).
+    pub fn with_isa(isa: Isa) -> Option<Self> {
+        Isa::available().contains(&isa).then_some(Cpu { isa })
     }
 
     /// The instruction set the kernels use.
@@ -83,6 +88,7 @@ impl Backend for Cpu {
     fn name(&self) -> &'static str {
         match self.isa {
             Isa::Avx512 => "cpu-avx512",
+            Isa::Avx2 => "cpu-avx2",
             Isa::Portable => "cpu",
         }
     }

@@ -327,11 +327,16 @@ impl Backend for Cuda {
 
     fn weight(&self, data: WeightData, rows: usize, cols: usize) -> CudaWeight {
         assert_eq!(data.len(), rows * cols, "weight data length != rows * cols");
-        let dtype = data.dtype();
+        // No quantized CUDA kernels yet: quantized blocks are widened to f16 on the host.
+        let data = data.dequantize(DType::F16);
+        let dtype = data.dtype().unwrap_or(DType::F16);
         let store = match data {
             WeightData::F32(v) => DevStore::F32(self.check(self.stream.clone_htod(&v), "weight")),
             WeightData::F16(v) => DevStore::Half(self.upload_bits(&v, f16::to_bits)),
             WeightData::BF16(v) => DevStore::Half(self.upload_bits(&v, bf16::to_bits)),
+            WeightData::Q8_0(_) | WeightData::Q4_1(_) => {
+                unreachable!("dequantized above")
+            }
         };
         CudaWeight {
             store,

@@ -5,8 +5,10 @@ pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod quant;
 
 pub use backend::{AttnSeq, AttnShape, Backend, DType, Llama3RopeScaling, RopeConfig, WeightData};
 pub use cpu::Cpu;
 #[cfg(feature = "cuda")]
 pub use cuda::{Cuda, CudaError};
+pub use quant::Quant;

@@ -1,14 +1,15 @@
-"""Writes F32 and F16 GGUF copies of a quantized GGUF with the `gguf` package: every tensor is
-dequantized and written at the new precision, every metadata key copied. This is how the llama.cpp
-peer runs at the same precision as kvgate (llama.cpp's own converter needs torch).
+"""Writes F32, F16 and Q8_0 GGUF copies of a quantized GGUF with the `gguf` package: every tensor
+is dequantized and written at the new precision (Q8_0: the matrices quantized with gguf's reference
+quantizer, vectors kept f32), every metadata key copied. This is how the llama.cpp peer runs at the
+same precision as kvgate (llama.cpp's own converter needs torch).
 
-usage: python gguf_convert.py IN.gguf OUT_PREFIX   -> OUT_PREFIX.f32.gguf, OUT_PREFIX.f16.gguf
+usage: python gguf_convert.py IN.gguf OUT_PREFIX   -> OUT_PREFIX.{f32,f16,q8_0}.gguf
 """
 import sys
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 
 
 def copy_metadata(reader, writer):
@@ -41,6 +42,10 @@ def convert(src, dst, dtype):
         data = np.asarray(data, dtype=np.float32).reshape(shape)
         if dtype == "f16" and len(shape) > 1:
             data = data.astype(np.float16)
+        if dtype == "q8_0" and len(shape) > 1:
+            q = quantize(data, GGMLQuantizationType.Q8_0)
+            writer.add_tensor(t.name, q, raw_dtype=GGMLQuantizationType.Q8_0)
+            continue
         writer.add_tensor(t.name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -50,6 +55,6 @@ def convert(src, dst, dtype):
 
 if __name__ == "__main__":
     src, prefix = sys.argv[1], sys.argv[2]
-    for dtype in ("f32", "f16"):
+    for dtype in ("f32", "f16", "q8_0"):
         convert(src, f"{prefix}.{dtype}.gguf", dtype)
         print(f"wrote {prefix}.{dtype}.gguf")

@@ -177,7 +177,7 @@ pub fn run(args: &TierArgs, json: Option<&str>) -> Result<()> {
     if args.tier_runs == 0 || args.tier_prompt_tokens < 64 {
         bail!("--tier-runs must be positive and --tier-prompt-tokens at least 64");
     }
-    let dir = crate::model_cmd::resolve(args.tier_model.as_deref())?;
+    let dir = crate::model_cmd::resolve(args.tier_model.as_deref(), false)?;
     // A pool that holds the prompt and one other: the next one evicts it.
     let blocks = (args.tier_prompt_tokens / 16 + 8) * 5 / 4;
     let host = blocks * 2;

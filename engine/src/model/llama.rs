@@ -14,7 +14,7 @@ use super::config::ModelConfig;
 use super::weights::Safetensors;
 use super::ModelError;
 use kvgate_kernels::{
-    AttnSeq, AttnShape, Backend, DType, Llama3RopeScaling, RopeConfig, WeightData,
+    AttnSeq, AttnShape, Backend, DType, Llama3RopeScaling, Quant, RopeConfig, WeightData,
 };
 use std::path::Path;
 
@@ -94,6 +94,10 @@ impl<B: Backend> std::fmt::Debug for Llama<B> {
 pub struct LoadOptions {
     /// Storage type of the weights in memory.
     pub dtype: DType,
+    /// Block-quantized matrices instead: the projections in this format, the embedding table
+    /// (and an untied output head) in Q8_0, as llama.cpp's files ship them. Tensors stored
+    /// quantized in that format are kept as they are; others are quantized at load.
+    pub quant: Option<Quant>,
     /// Storage type of the KV cache.
     pub kv_dtype: DType,
     /// Device KV blocks.
@@ -110,8 +114,17 @@ impl<B: Backend> Llama<B> {
         let st = Safetensors::open(dir)?;
         let c = &config;
         let (hd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
-        let load = |name: &str, shape: &[usize], dtype: DType| -> Result<B::Weight, ModelError> {
-            let (data, got) = st.load(name, dtype)?;
+        // The projections' and the embedding table's format.
+        let (proj, table) = match opts.quant {
+            Some(q) => (Format::Quant(q), Format::Quant(Quant::Q8_0)),
+            None => (Format::Dense(opts.dtype), Format::Dense(opts.dtype)),
+        };
+        let load_as = |name: &str, format: Format| match format {
+            Format::Dense(dtype) => st.load(name, dtype),
+            Format::Quant(q) => st.load_quantized(name, q),
+        };
+        let load = |name: &str, shape: &[usize], format: Format| -> Result<B::Weight, ModelError> {
+            let (data, got) = load_as(name, format)?;
             if got != shape {
                 return Err(ModelError::Shape {
                     name: name.to_owned(),
@@ -132,62 +145,42 @@ impl<B: Backend> Llama<B> {
             let p = format!("model.layers.{i}");
             let qkv_bias = if c.attention_bias {
                 Some([
-                    load(&format!("{p}.self_attn.q_proj.bias"), &[hd], DType::F32)?,
-                    load(&format!("{p}.self_attn.k_proj.bias"), &[kvd], DType::F32)?,
-                    load(&format!("{p}.self_attn.v_proj.bias"), &[kvd], DType::F32)?,
+                    load(&format!("{p}.self_attn.q_proj.bias"), &[hd], F32)?,
+                    load(&format!("{p}.self_attn.k_proj.bias"), &[kvd], F32)?,
+                    load(&format!("{p}.self_attn.v_proj.bias"), &[kvd], F32)?,
                 ])
             } else {
                 None
             };
             let gate_up = stack_rows(
-                st.load(&format!("{p}.mlp.gate_proj.weight"), opts.dtype)?,
-                st.load(&format!("{p}.mlp.up_proj.weight"), opts.dtype)?,
+                load_as(&format!("{p}.mlp.gate_proj.weight"), proj)?,
+                load_as(&format!("{p}.mlp.up_proj.weight"), proj)?,
                 &[c.intermediate_size, h],
                 &p,
             )?;
             layers.push(Layer {
-                input_norm: load(&format!("{p}.input_layernorm.weight"), &[h], DType::F32)?,
-                q: load(
-                    &format!("{p}.self_attn.q_proj.weight"),
-                    &[hd, h],
-                    opts.dtype,
-                )?,
-                k: load(
-                    &format!("{p}.self_attn.k_proj.weight"),
-                    &[kvd, h],
-                    opts.dtype,
-                )?,
-                v: load(
-                    &format!("{p}.self_attn.v_proj.weight"),
-                    &[kvd, h],
-                    opts.dtype,
-                )?,
+                input_norm: load(&format!("{p}.input_layernorm.weight"), &[h], F32)?,
+                q: load(&format!("{p}.self_attn.q_proj.weight"), &[hd, h], proj)?,
+                k: load(&format!("{p}.self_attn.k_proj.weight"), &[kvd, h], proj)?,
+                v: load(&format!("{p}.self_attn.v_proj.weight"), &[kvd, h], proj)?,
                 qkv_bias,
-                o: load(
-                    &format!("{p}.self_attn.o_proj.weight"),
-                    &[h, hd],
-                    opts.dtype,
-                )?,
-                post_norm: load(
-                    &format!("{p}.post_attention_layernorm.weight"),
-                    &[h],
-                    DType::F32,
-                )?,
+                o: load(&format!("{p}.self_attn.o_proj.weight"), &[h, hd], proj)?,
+                post_norm: load(&format!("{p}.post_attention_layernorm.weight"), &[h], F32)?,
                 gate_up: backend.weight(gate_up, 2 * c.intermediate_size, h),
                 down: load(
                     &format!("{p}.mlp.down_proj.weight"),
                     &[h, c.intermediate_size],
-                    opts.dtype,
+                    proj,
                 )?,
             });
         }
-        let embed = load("model.embed_tokens.weight", &[c.vocab_size, h], opts.dtype)?;
+        let embed = load("model.embed_tokens.weight", &[c.vocab_size, h], table)?;
         let lm_head = if c.tie_word_embeddings || !st.contains("lm_head.weight") {
             None
         } else {
-            Some(load("lm_head.weight", &[c.vocab_size, h], opts.dtype)?)
+            Some(load("lm_head.weight", &[c.vocab_size, h], table)?)
         };
-        let norm = load("model.norm.weight", &[h], DType::F32)?;
+        let norm = load("model.norm.weight", &[h], F32)?;
         let rope = backend.rope(&RopeConfig {
             theta: c.rope_theta,
             head_dim: c.head_dim,
@@ -407,6 +400,16 @@ impl<B: Backend> Llama<B> {
     }
 }
 
+/// How one tensor is held in memory.
+#[derive(Debug, Clone, Copy)]
+enum Format {
+    Dense(DType),
+    Quant(Quant),
+}
+
+/// Norms and biases: always f32.
+const F32: Format = Format::Dense(DType::F32);
+
 /// `[a; b]` for two weights of `shape` each (gate and up stacked into one matmul).
 fn stack_rows(
     a: (WeightData, Vec<usize>),
@@ -435,6 +438,14 @@ fn stack_rows(
         (WeightData::BF16(mut x), WeightData::BF16(y)) => {
             x.extend(y);
             WeightData::BF16(x)
+        }
+        (WeightData::Q8_0(mut x), WeightData::Q8_0(y)) => {
+            x.extend(y);
+            WeightData::Q8_0(x)
+        }
+        (WeightData::Q4_1(mut x), WeightData::Q4_1(y)) => {
+            x.extend(y);
+            WeightData::Q4_1(x)
         }
         _ => unreachable!("both loaded in the same dtype"),
     })

@@ -10,7 +10,7 @@
 //! model = "/models/smollm2-135m-instruct"   # omit: the default model, fetched on first use
 //! model_id = "smollm2-135m-instruct"        # the name clients send; default: the directory's
 //! device = "cpu"                            # or "cuda" / "cuda:N" (builds with --features cuda)
-//! dtype = "f32"                             # weights in memory: f32, f16, bf16
+//! dtype = "f32"                             # weights in memory: f32, f16, bf16, q8_0, q4_1
 //! [kv]
 //! blocks = 4096                             # or: bytes = 1073741824
 //! gpu_memory_fraction = 0.9                 # cuda, neither blocks nor bytes set: the KV pool
@@ -44,7 +44,7 @@
 //! cancelled and its KV blocks freed).
 
 pub use crate::scheduler::PreemptMode;
-use kvgate_kernels::DType;
+use kvgate_kernels::{DType, Quant};
 use serde::Deserialize;
 use std::path::PathBuf;
 
@@ -56,13 +56,31 @@ pub enum WeightDType {
     F32,
     F16,
     Bf16,
+    /// Matrices in Q8_0 blocks, executed as such on the CPU.
+    Q8_0,
+    /// Projections in Q4_1 blocks and the embedding table in Q8_0, as llama.cpp's Q4_1 files
+    /// ship them; executed as such on the CPU.
+    Q4_1,
 }
 
+impl WeightDType {
+    /// The block format of the matrices, for the quantized types.
+    pub fn quant(self) -> Option<Quant> {
+        match self {
+            WeightDType::Q8_0 => Some(Quant::Q8_0),
+            WeightDType::Q4_1 => Some(Quant::Q4_1),
+            _ => None,
+        }
+    }
+}
+
+/// The dense type of the weights: quantized ones are widened to f16 where a backend has no
+/// quantized kernels (CUDA), and their unquantized vectors stay f32 on the CPU.
 impl From<WeightDType> for DType {
     fn from(d: WeightDType) -> DType {
         match d {
             WeightDType::F32 => DType::F32,
-            WeightDType::F16 => DType::F16,
+            WeightDType::F16 | WeightDType::Q8_0 | WeightDType::Q4_1 => DType::F16,
             WeightDType::Bf16 => DType::BF16,
         }
     }
@@ -412,7 +430,10 @@ mod tests {
                 "[scheduler]\npreemption = \"drop\"",
                 "expected `recompute` or `swap`",
             ),
-            ("dtype = \"f8\"", "expected one of `f32`, `f16`, `bf16`"),
+            (
+                "dtype = \"f8\"",
+                "expected one of `f32`, `f16`, `bf16`, `q8_0`, `q4_1`",
+            ),
             ("[kv]\nhash_seed = \"abc\"", "kv.hash_seed"),
             ("listen = \"nowhere\"", "listen"),
             ("bogus = 1", "bogus"),

@@ -115,6 +115,7 @@ fn start_on<B: Backend + 'static>(
         dir,
         LoadOptions {
             dtype: wdtype,
+            quant: config.dtype.quant(),
             kv_dtype,
             num_blocks,
             num_host_blocks: host_pool as usize,

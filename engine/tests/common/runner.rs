@@ -29,6 +29,7 @@ impl<B: Backend> Runner<B> {
             dir,
             LoadOptions {
                 dtype,
+                quant: None,
                 kv_dtype,
                 num_blocks: num_blocks as usize,
                 num_host_blocks: 0,

@@ -15,8 +15,10 @@
 //! item. The same tile loop also runs over contiguous K/V ([`dense_attention`]), which is the
 //! baseline that measures what paging costs.
 
+mod avx2;
 mod avx512;
 mod portable;
+mod tiled;
 
 use std::cell::RefCell;
 
@@ -357,6 +359,12 @@ fn run_item<E: Elem, L: KvLayout>(
         // checked (rows inside q and out, block tables inside the pool, K/V long enough), and
         // each item writes only its own (query rows, heads) of out.
         unsafe { avx512::item(job, layout, kv_head, rows, scratch) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && job.shape.head_dim.is_multiple_of(8) && job.shape.head_dim <= 256 {
+        // SAFETY: Isa::Avx2 is only detected on CPUs with AVX2/FMA/F16C; the rest as above.
+        unsafe { avx2::item(job, layout, kv_head, rows, scratch) };
         return;
     }
     let _ = isa;

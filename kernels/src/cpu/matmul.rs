@@ -11,15 +11,20 @@
 //!   12 x 32 outer-product microkernel runs over it, broadcasting x values. Output column ranges
 //!   are split across threads.
 //!
-//! Both have AVX-512 versions (`avx512`) and a portable fallback (`portable`).
+//! Both have AVX-512 versions (`avx512`), AVX2 versions at half the width (`avx2`) and a
+//! portable fallback (`portable`).
 
+mod avx2;
 mod avx512;
 mod portable;
+mod quant;
 
 use super::pool::pool;
 use super::simd::{Elem, Isa};
-use super::tensor::{CpuTensor, CpuWeight, Store};
+use super::tensor::{CpuTensor, CpuWeight, Store, WeightStore};
 use super::SharedOut;
+use crate::quant::QK;
+use quant::QDot;
 
 /// Up to this many rows, the GEMV path (weights streamed once, dot products) beats packing.
 pub const GEMV_MAX_ROWS: usize = 8;
@@ -59,9 +64,11 @@ pub(crate) fn matmul(
     out.set_shape(dims.m, dims.n);
     let (xs, os) = (x.as_slice(), out.as_mut_slice());
     match &w.store {
-        Store::F32(ws) => run(isa, xs, ws, dims, os),
-        Store::F16(ws) => run(isa, xs, ws, dims, os),
-        Store::BF16(ws) => run(isa, xs, ws, dims, os),
+        WeightStore::Dense(Store::F32(ws)) => run(isa, xs, &ws[..], dims, os),
+        WeightStore::Dense(Store::F16(ws)) => run(isa, xs, &ws[..], dims, os),
+        WeightStore::Dense(Store::BF16(ws)) => run(isa, xs, &ws[..], dims, os),
+        WeightStore::Q8_0(ws) => run_quant(isa, xs, ws, dims, os),
+        WeightStore::Q4_1(ws) => run_quant(isa, xs, ws, dims, os),
     }
     if let Some(b) = bias {
         assert_eq!(
@@ -73,7 +80,91 @@ pub(crate) fn matmul(
     }
 }
 
-fn run<E: Elem>(isa: Isa, x: &[f32], w: &[E], d: Dims, out: &mut [f32]) {
+/// Weights as the parallel split sees them: how many bytes a row is, and how to compute a
+/// range of output columns.
+trait Weights: Sync {
+    /// Bytes of one row of `k` values.
+    fn row_bytes(&self, k: usize) -> usize;
+
+    /// Columns `n0..n1` of `out`.
+    ///
+    /// # Safety
+    /// As for [`run_range`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn range(
+        &self,
+        isa: Isa,
+        gemv: bool,
+        x: &[f32],
+        d: Dims,
+        n0: usize,
+        n1: usize,
+        out: SharedOut,
+    );
+}
+
+impl<E: Elem> Weights for [E] {
+    fn row_bytes(&self, k: usize) -> usize {
+        k * std::mem::size_of::<E>()
+    }
+
+    unsafe fn range(
+        &self,
+        isa: Isa,
+        gemv: bool,
+        x: &[f32],
+        d: Dims,
+        n0: usize,
+        n1: usize,
+        out: SharedOut,
+    ) {
+        // SAFETY: forwarded from the caller.
+        unsafe { run_range(isa, gemv, x, self, d, n0, n1, out) }
+    }
+}
+
+/// Quantized weights, with x already quantized for the GEMV.
+struct Quantized<'a, B> {
+    w: &'a [B],
+    xq: &'a [quant::BlockQ8x],
+}
+
+impl<B: QDot> Weights for Quantized<'_, B> {
+    fn row_bytes(&self, k: usize) -> usize {
+        k / QK * B::QUANT.block_bytes()
+    }
+
+    unsafe fn range(
+        &self,
+        isa: Isa,
+        gemv: bool,
+        x: &[f32],
+        d: Dims,
+        n0: usize,
+        n1: usize,
+        out: SharedOut,
+    ) {
+        // SAFETY: forwarded from the caller; xq holds x quantized when gemv is set.
+        unsafe {
+            if gemv {
+                quant::gemv_range(isa, self.xq, self.w, d, n0, n1, out)
+            } else {
+                quant::gemm_range(isa, x, self.w, d, n0, n1, out)
+            }
+        }
+    }
+}
+
+/// `out = x @ w^T` for quantized `w`: the GEMV quantizes x once, on the calling thread.
+fn run_quant<B: QDot>(isa: Isa, x: &[f32], w: &[B], d: Dims, out: &mut [f32]) {
+    if d.m <= GEMV_MAX_ROWS && d.k > 0 {
+        quant::with_quantized_x(x, |xq| run(isa, x, &Quantized { w, xq }, d, out));
+    } else {
+        run(isa, x, &Quantized { w, xq: &[] }, d, out);
+    }
+}
+
+fn run<W: Weights + ?Sized>(isa: Isa, x: &[f32], w: &W, d: Dims, out: &mut [f32]) {
     if d.m == 0 || d.n == 0 {
         return;
     }
@@ -88,7 +179,7 @@ fn run<E: Elem>(isa: Isa, x: &[f32], w: &[E], d: Dims, out: &mut [f32]) {
     };
     let gemv = d.m <= GEMV_MAX_ROWS;
     let chunk = if gemv {
-        gemv_chunk(d.n, d.k, std::mem::size_of::<E>(), threads)
+        gemv_chunk(d.n, w.row_bytes(d.k), threads)
     } else {
         gemm_chunk(d.n, threads)
     };
@@ -98,7 +189,7 @@ fn run<E: Elem>(isa: Isa, x: &[f32], w: &[E], d: Dims, out: &mut [f32]) {
         let n1 = (n0 + chunk).min(d.n);
         // SAFETY: `out` has m * n elements; this task writes only columns n0..n1 of each row,
         // and the chunks are disjoint.
-        unsafe { run_range(isa, gemv, x, w, d, n0, n1, ptr) }
+        unsafe { w.range(isa, gemv, x, d, n0, n1, ptr) }
     };
     let chunks = d.n.div_ceil(chunk);
     if chunks == 1 {
@@ -111,8 +202,8 @@ fn run<E: Elem>(isa: Isa, x: &[f32], w: &[E], d: Dims, out: &mut [f32]) {
 /// Columns per task for the GEMV, a multiple of 8 rows of w: one task per thread, and for large
 /// matrices up to four per thread, of at least `GEMV_TASK_BYTES` each, so a thread that is
 /// descheduled for a while (a busy machine) does not hold up the whole call.
-fn gemv_chunk(n: usize, k: usize, elem_bytes: usize, threads: usize) -> usize {
-    let per_thread = (n * k * elem_bytes / (GEMV_TASK_BYTES * threads)).clamp(1, 4);
+fn gemv_chunk(n: usize, row_bytes: usize, threads: usize) -> usize {
+    let per_thread = (n * row_bytes / (GEMV_TASK_BYTES * threads)).clamp(1, 4);
     let tasks = per_thread * threads;
     n.div_ceil(tasks).next_multiple_of(8).max(8)
 }
@@ -154,6 +245,17 @@ unsafe fn run_range<E: Elem>(
                 unsafe { avx512::gemm(x, w, d, n0, n1, out.0) }
             }
         }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            if gemv {
+                // SAFETY: Isa::Avx2 is only chosen when the CPU has AVX2/FMA/F16C; slices
+                // cover the shapes (asserted above); out per the caller.
+                unsafe { avx2::gemv(x, w, d, n0, n1, out.0) }
+            } else {
+                // SAFETY: as above.
+                unsafe { avx2::gemm(x, &avx2::Dense { w, k: d.k }, d, n0, n1, out.0) }
+            }
+        }
         _ => {
             let _ = gemv;
             // SAFETY: per the caller's contract.
@@ -163,11 +265,12 @@ unsafe fn run_range<E: Elem>(
 }
 
 /// Adds `bias` (length n) to every row of `out` (`[m, n]`).
-fn add_bias(bias: &Store, n: usize, out: &mut [f32]) {
+fn add_bias(bias: &WeightStore, n: usize, out: &mut [f32]) {
     match bias {
-        Store::F32(b) => add_rows(b, n, out),
-        Store::F16(b) => add_rows(b, n, out),
-        Store::BF16(b) => add_rows(b, n, out),
+        WeightStore::Dense(Store::F32(b)) => add_rows(b, n, out),
+        WeightStore::Dense(Store::F16(b)) => add_rows(b, n, out),
+        WeightStore::Dense(Store::BF16(b)) => add_rows(b, n, out),
+        quantized => add_rows(&quantized.to_f32(), n, out),
     }
 }
 

@@ -7,7 +7,7 @@
 //! `_compute_llama3_parameters`) and candle, so positions match them bit for bit.
 
 use super::simd::{Elem, Isa};
-use super::tensor::{CpuTensor, CpuWeight, Store};
+use super::tensor::{CpuTensor, CpuWeight, Store, WeightStore};
 use crate::backend::RopeConfig;
 
 /// Below this many values a row-wise op stays on the calling thread.
@@ -61,9 +61,10 @@ pub(crate) fn rms_norm(x: &CpuTensor, w: &CpuWeight, eps: f32, out: &mut CpuTens
     out.set_shape(x.rows(), cols);
     let xs = x.as_slice();
     match &w.store {
-        Store::F32(ws) => norm_rows(xs, ws, eps, cols, out.as_mut_slice()),
-        Store::F16(ws) => norm_rows(xs, ws, eps, cols, out.as_mut_slice()),
-        Store::BF16(ws) => norm_rows(xs, ws, eps, cols, out.as_mut_slice()),
+        WeightStore::Dense(Store::F32(ws)) => norm_rows(xs, ws, eps, cols, out.as_mut_slice()),
+        WeightStore::Dense(Store::F16(ws)) => norm_rows(xs, ws, eps, cols, out.as_mut_slice()),
+        WeightStore::Dense(Store::BF16(ws)) => norm_rows(xs, ws, eps, cols, out.as_mut_slice()),
+        quantized => norm_rows(xs, &quantized.to_f32(), eps, cols, out.as_mut_slice()),
     }
 }
 
@@ -139,6 +140,12 @@ fn silu_mul_row(isa: Isa, g: &[f32], u: &[f32], o: &mut [f32]) {
         unsafe { silu_mul_avx512(g, u, o) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: Isa::Avx2 is only detected on CPUs with AVX2/FMA/F16C.
+        unsafe { silu_mul_avx2(g, u, o) };
+        return;
+    }
     let _ = isa;
     for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
         *o = g / (1.0 + (-g).exp()) * u;
@@ -161,6 +168,28 @@ fn silu_mul_avx512(g: &[f32], u: &[f32], o: &mut [f32]) {
             _mm512_storeu_ps(o.as_mut_ptr().add(i), _mm512_mul_ps(s, uv));
         }
         i += 16;
+    }
+    for j in i..n {
+        o[j] = g[j] / (1.0 + (-g[j]).exp()) * u[j];
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn silu_mul_avx2(g: &[f32], u: &[f32], o: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = o.len().min(g.len()).min(u.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n, the length of all three slices.
+        unsafe {
+            let gv = _mm256_loadu_ps(g.as_ptr().add(i));
+            let uv = _mm256_loadu_ps(u.as_ptr().add(i));
+            let e = super::simd::exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            let s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0), e));
+            _mm256_storeu_ps(o.as_mut_ptr().add(i), _mm256_mul_ps(s, uv));
+        }
+        i += 8;
     }
     for j in i..n {
         o[j] = g[j] / (1.0 + (-g[j]).exp()) * u[j];

@@ -1,14 +1,16 @@
 //! Host storage for the CPU backend: activations ([`CpuTensor`]), weights ([`CpuWeight`]) and
 //! paged KV pools ([`CpuCache`]).
 //!
-//! Activations are always f32; weights and caches keep their storage type ([`Store`]) and are
-//! widened to f32 inside the kernels, one SIMD register at a time. Buffers are plain `Vec`s that
+//! Activations are always f32; weights and caches keep their storage type ([`Store`]; weights
+//! may also be quantized blocks, [`WeightStore`]) and are widened to f32 inside the kernels, one
+//! SIMD register at a time. Buffers are plain `Vec`s that
 //! keep their capacity when a tensor is reshaped, so a forward pass that reuses its out-params
 //! allocates only while batch sizes grow.
 
 use half::{bf16, f16};
 
 use crate::backend::{AttnShape, DType, WeightData};
+use crate::quant::{self, BlockQ4_1, BlockQ8_0, QuantBlock};
 
 /// An f32 row-major matrix `[rows, cols]`.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -160,8 +162,8 @@ fn huge_zeroed<T: Clone + Default>(len: usize) -> Vec<T> {
     v
 }
 
-/// Moves a large store into memory backed by huge pages (one copy, at load time).
-fn huge_copy(store: Store) -> Store {
+/// Moves a large weight into memory backed by huge pages (one copy, at load time).
+fn huge_copy(data: WeightData) -> WeightStore {
     fn copy<T: Copy + Default>(v: Vec<T>) -> Vec<T> {
         if std::mem::size_of_val(v.as_slice()) < 4 << 20 || !cfg!(target_os = "linux") {
             return v;
@@ -170,10 +172,12 @@ fn huge_copy(store: Store) -> Store {
         h.copy_from_slice(&v);
         h
     }
-    match store {
-        Store::F32(v) => Store::F32(copy(v)),
-        Store::F16(v) => Store::F16(copy(v)),
-        Store::BF16(v) => Store::BF16(copy(v)),
+    match data {
+        WeightData::F32(v) => WeightStore::Dense(Store::F32(copy(v))),
+        WeightData::F16(v) => WeightStore::Dense(Store::F16(copy(v))),
+        WeightData::BF16(v) => WeightStore::Dense(Store::BF16(copy(v))),
+        WeightData::Q8_0(b) => WeightStore::Q8_0(copy(b)),
+        WeightData::Q4_1(b) => WeightStore::Q4_1(copy(b)),
     }
 }
 
@@ -200,30 +204,87 @@ pub(crate) fn advise_huge_pages<T>(v: &mut [T]) {
     let _ = v;
 }
 
-impl From<WeightData> for Store {
-    fn from(data: WeightData) -> Self {
-        match data {
-            WeightData::F32(v) => Store::F32(v),
-            WeightData::F16(v) => Store::F16(v),
-            WeightData::BF16(v) => Store::BF16(v),
+/// A weight's values: dense in a storage type, or quantized blocks (each row a whole number
+/// of blocks).
+#[derive(Debug, Clone, PartialEq)]
+pub enum WeightStore {
+    Dense(Store),
+    Q8_0(Vec<BlockQ8_0>),
+    Q4_1(Vec<BlockQ4_1>),
+}
+
+impl WeightStore {
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        match self {
+            WeightStore::Dense(s) => s.len(),
+            WeightStore::Q8_0(b) => b.len() * quant::QK,
+            WeightStore::Q4_1(b) => b.len() * quant::QK,
         }
+    }
+
+    /// Whether there are no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Widens `self[start..start + out.len()]` into `out`.
+    pub fn read_f32(&self, start: usize, out: &mut [f32]) {
+        fn blocks<B: QuantBlock>(b: &[B], start: usize, out: &mut [f32]) {
+            let mut vals = [0.0f32; quant::QK];
+            let mut i = start;
+            while i < start + out.len() {
+                b[i / quant::QK].dequantize(&mut vals);
+                let from = i % quant::QK;
+                let n = (quant::QK - from).min(start + out.len() - i);
+                out[i - start..i - start + n].copy_from_slice(&vals[from..from + n]);
+                i += n;
+            }
+        }
+        match self {
+            WeightStore::Dense(s) => s.read_f32(start, out),
+            WeightStore::Q8_0(b) => blocks(b, start, out),
+            WeightStore::Q4_1(b) => blocks(b, start, out),
+        }
+    }
+
+    /// Bytes in memory.
+    pub fn size_bytes(&self) -> usize {
+        match self {
+            WeightStore::Dense(s) => s.len() * s.dtype().size_bytes(),
+            WeightStore::Q8_0(b) => std::mem::size_of_val(b.as_slice()),
+            WeightStore::Q4_1(b) => std::mem::size_of_val(b.as_slice()),
+        }
+    }
+
+    /// All values widened to f32 (small weights: norms, biases).
+    pub(crate) fn to_f32(&self) -> Vec<f32> {
+        let mut v = vec![0.0; self.len()];
+        self.read_f32(0, &mut v);
+        v
     }
 }
 
 /// A weight matrix `[rows, cols]` (a vector has one row) in its storage type.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CpuWeight {
-    pub(crate) store: Store,
+    pub(crate) store: WeightStore,
     pub(crate) rows: usize,
     pub(crate) cols: usize,
 }
 
 impl CpuWeight {
-    /// Wraps `data` as a `[rows, cols]` matrix.
+    /// Wraps `data` as a `[rows, cols]` matrix. Quantized data needs whole blocks per row
+    /// (`cols` a multiple of 32).
     pub fn new(data: WeightData, rows: usize, cols: usize) -> Self {
         assert_eq!(data.len(), rows * cols, "weight data length != rows * cols");
+        assert!(
+            data.quant().is_none() || cols.is_multiple_of(quant::QK),
+            "quantized weight rows must be whole blocks of {} (cols = {cols})",
+            quant::QK
+        );
         CpuWeight {
-            store: huge_copy(data.into()),
+            store: huge_copy(data),
             rows,
             cols,
         }
@@ -239,19 +300,22 @@ impl CpuWeight {
         self.cols
     }
 
-    /// Storage type.
-    pub fn dtype(&self) -> DType {
-        self.store.dtype()
+    /// Storage type of dense weights; `None` for quantized ones.
+    pub fn dtype(&self) -> Option<DType> {
+        match &self.store {
+            WeightStore::Dense(s) => Some(s.dtype()),
+            _ => None,
+        }
     }
 
     /// The stored values.
-    pub fn store(&self) -> &Store {
+    pub fn store(&self) -> &WeightStore {
         &self.store
     }
 
     /// Bytes of weight data (what a GEMV streams from memory).
     pub fn size_bytes(&self) -> usize {
-        self.store.len() * self.dtype().size_bytes()
+        self.store.size_bytes()
     }
 }
 

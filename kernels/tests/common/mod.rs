@@ -1,16 +1,20 @@
 //! Helpers shared by the kernel tests: seeded random data, storage rounding, tolerance checks,
-//! and the backends every test runs on (the detected ISA and the portable fallback).
+//! and the backends every test runs on (every instruction set this CPU has, portable included).
 
 #![allow(dead_code)]
 
 use half::{bf16, f16};
+use kvgate_kernels::cpu::Isa;
 use kvgate_kernels::{Cpu, DType, WeightData};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-/// The backends under test: the fastest this CPU has, then the portable fallback.
+/// The backends under test: one per instruction set this CPU has, the portable one first.
 pub fn backends() -> Vec<Cpu> {
-    vec![Cpu::new(), Cpu::portable()]
+    Isa::available()
+        .into_iter()
+        .filter_map(Cpu::with_isa)
+        .collect()
 }
 
 pub fn rng(seed: u64) -> StdRng {

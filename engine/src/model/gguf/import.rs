@@ -10,7 +10,9 @@
 use super::hf_config::LlamaHparams;
 use super::permute::unpermute_qk;
 use super::st_writer::{SafetensorsWriter, StDtype, TensorSpec};
-use super::{tokenizer, GgufError, GgufFile, TensorInfo};
+use super::{tokenizer, GgmlType, GgufError, GgufFile, TensorInfo};
+use crate::model::weights::QUANT_KEY_PREFIX;
+use kvgate_kernels::Quant;
 use std::path::{Path, PathBuf};
 
 /// How the imported weights are stored.
@@ -19,22 +21,36 @@ pub enum StorageDtype {
     #[default]
     F32,
     F16,
+    /// Q8_0 and Q4_1 tensors kept as their blocks (the engine runs them as such with
+    /// `dtype = "q8_0"` / `"q4_1"`); every other tensor in f32.
+    Quantized,
 }
 
 impl StorageDtype {
     fn st(self) -> StDtype {
         match self {
-            StorageDtype::F32 => StDtype::F32,
+            StorageDtype::F32 | StorageDtype::Quantized => StDtype::F32,
             StorageDtype::F16 => StDtype::F16,
         }
     }
 
-    /// The `torch_dtype` of `config.json`.
+    /// The `torch_dtype` of `config.json` (the dense tensors' type).
     pub fn torch_name(self) -> &'static str {
         match self {
-            StorageDtype::F32 => "float32",
+            StorageDtype::F32 | StorageDtype::Quantized => "float32",
             StorageDtype::F16 => "float16",
         }
+    }
+
+    /// The block format `tensor` is kept in, if this storage keeps it quantized.
+    fn keeps(self, tensor: &TensorInfo) -> Option<Quant> {
+        let q = match tensor.ggml_type() {
+            GgmlType::Q8_0 => Quant::Q8_0,
+            GgmlType::Q4_1 => Quant::Q4_1,
+            _ => return None,
+        };
+        let shape = tensor.shape();
+        (self == StorageDtype::Quantized && shape.len() == 2).then_some(q)
     }
 }
 
@@ -79,11 +95,10 @@ pub fn import_gguf_with(
     let tokenizer_config = tokenizer::tokenizer_config_json(&file, hparams.context_length)?;
 
     std::fs::create_dir_all(out_dir).map_err(|e| io(out_dir, e))?;
-    let dtype = options.dtype.st();
     let weights = write_weights(
         &file,
         &plan,
-        dtype,
+        options.dtype,
         &out_dir.join("model.safetensors"),
         progress,
     )?;
@@ -233,16 +248,34 @@ fn target(name: &str, hp: &LlamaHparams) -> Option<Target> {
 fn write_weights(
     file: &GgufFile,
     plan: &[Planned<'_>],
-    dtype: StDtype,
+    storage: StorageDtype,
     path: &Path,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<PathBuf, GgufError> {
+    let dtype = storage.st();
+    let mut metadata = Vec::new();
     let specs = plan
         .iter()
-        .map(|p| TensorSpec {
-            name: p.hf_name.clone(),
-            dtype,
-            shape: p.source.shape(),
+        .map(|p| match storage.keeps(p.source) {
+            Some(q) => {
+                metadata.push((
+                    format!("{QUANT_KEY_PREFIX}{}", p.hf_name),
+                    q.name().to_owned(),
+                ));
+                let shape = p.source.shape();
+                let row_bytes =
+                    shape[1] / kvgate_kernels::quant::QK as u64 * q.block_bytes() as u64;
+                TensorSpec {
+                    name: p.hf_name.clone(),
+                    dtype: StDtype::U8,
+                    shape: vec![shape[0], row_bytes],
+                }
+            }
+            None => TensorSpec {
+                name: p.hf_name.clone(),
+                dtype,
+                shape: p.source.shape(),
+            },
         })
         .collect();
     // Sizes were checked when the file was opened, so every planned tensor has one.
@@ -250,8 +283,15 @@ fn write_weights(
     let total: u64 = plan.iter().map(byte_len).sum();
     let mut done = 0;
     progress(done, total);
-    let mut writer = SafetensorsWriter::create(path, specs)?;
+    let mut writer = SafetensorsWriter::create_with(path, specs, &metadata)?;
     for p in plan {
+        if storage.keeps(p.source).is_some() {
+            let bytes = kept_blocks(file, p)?;
+            writer.write_next(&p.hf_name, &bytes)?;
+            done += byte_len(p);
+            progress(done, total);
+            continue;
+        }
         let mut values = file.dequantize(p.source)?;
         if let Some(n_head) = p.unpermute_heads {
             let shape = p.source.shape();
@@ -268,6 +308,30 @@ fn write_weights(
         progress(done, total);
     }
     writer.finish()
+}
+
+/// A quantized tensor's blocks as the file stores them, its rows un-permuted like the values
+/// of a dequantized one (each row is a whole number of blocks, so rows move as byte ranges).
+fn kept_blocks(file: &GgufFile, p: &Planned<'_>) -> Result<Vec<u8>, GgufError> {
+    let bytes = file.tensor_bytes(p.source)?;
+    let Some(n_head) = p.unpermute_heads else {
+        return Ok(bytes.to_vec());
+    };
+    let rows = p.source.shape()[0] as usize;
+    let row_bytes = bytes.len() / rows.max(1);
+    // The permutation of row indices: un-permute a column holding each row's own index.
+    let index: Vec<f32> = (0..rows).map(|r| r as f32).collect();
+    let order = unpermute_qk(&index, rows, 1, n_head).map_err(|e| GgufError::TensorShape {
+        file: file.path().to_path_buf(),
+        tensor: p.source.name().to_string(),
+        reason: e.to_string(),
+    })?;
+    let mut out = Vec::with_capacity(bytes.len());
+    for src in order {
+        let src = src as usize;
+        out.extend_from_slice(&bytes[src * row_bytes..(src + 1) * row_bytes]);
+    }
+    Ok(out)
 }
 
 fn write_json(dir: &Path, name: &str, value: &serde_json::Value) -> Result<PathBuf, GgufError> {

@@ -18,6 +18,8 @@ use std::path::{Path, PathBuf};
 pub enum StDtype {
     F32,
     F16,
+    /// Raw bytes (quantized blocks).
+    U8,
 }
 
 impl StDtype {
@@ -26,6 +28,7 @@ impl StDtype {
         match self {
             StDtype::F32 => "F32",
             StDtype::F16 => "F16",
+            StDtype::U8 => "U8",
         }
     }
 
@@ -33,13 +36,15 @@ impl StDtype {
         match self {
             StDtype::F32 => 4,
             StDtype::F16 => 2,
+            StDtype::U8 => 1,
         }
     }
 
-    /// `values` as little-endian bytes of this type (f16 rounds to nearest even).
+    /// `values` as little-endian bytes of this type (f16 rounds to nearest even; never called
+    /// for U8, whose bytes are written as they are).
     pub fn encode(self, values: &[f32]) -> Vec<u8> {
         match self {
-            StDtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            StDtype::F32 | StDtype::U8 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
             StDtype::F16 => values
                 .iter()
                 .flat_map(|&v| f16::from_f32(v).to_le_bytes())
@@ -79,8 +84,22 @@ pub struct SafetensorsWriter {
 impl SafetensorsWriter {
     /// Creates `path.partial` and writes the header for `specs`.
     pub fn create(path: &Path, specs: Vec<TensorSpec>) -> Result<Self, GgufError> {
+        Self::create_with(path, specs, &[])
+    }
+
+    /// [`SafetensorsWriter::create`] with extra `__metadata__` entries.
+    pub fn create_with(
+        path: &Path,
+        specs: Vec<TensorSpec>,
+        metadata: &[(String, String)],
+    ) -> Result<Self, GgufError> {
         let mut header = Map::new();
-        header.insert("__metadata__".into(), json!({"format": "pt"}));
+        let mut meta = Map::new();
+        meta.insert("format".into(), "pt".into());
+        for (k, v) in metadata {
+            meta.insert(k.clone(), v.clone().into());
+        }
+        header.insert("__metadata__".into(), Value::Object(meta));
         let mut offset = 0u64;
         for spec in &specs {
             let end = spec

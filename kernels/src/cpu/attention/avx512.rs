@@ -7,6 +7,7 @@
 
 use std::arch::x86_64::*;
 
+use super::tiled::{self, RowKernel};
 use super::{Job, KvLayout, Rows, TILE};
 use crate::cpu::simd::{exp512, reduce16, Elem};
 
@@ -25,110 +26,26 @@ pub(super) unsafe fn item<E: Elem, L: KvLayout>(
     scratch: &mut [f32],
 ) {
     // SAFETY: forwarded from the caller.
-    unsafe {
-        match job.shape.head_dim {
-            64 => item_hd::<E, L, 64>(job, layout, kv_head, rows, scratch),
-            128 => item_hd::<E, L, 128>(job, layout, kv_head, rows, scratch),
-            _ => item_hd::<E, L, 0>(job, layout, kv_head, rows, scratch),
-        }
-    }
+    unsafe { tiled::item::<E, L, Avx512Row>(job, layout, kv_head, rows, scratch) }
 }
 
-/// `HD` is the head dimension when known at compile time, 0 for "read it from the shape".
-#[inline(always)]
-unsafe fn item_hd<E: Elem, L: KvLayout, const HD: usize>(
-    job: &Job<'_, E>,
-    layout: &L,
-    kv_head: usize,
-    rows: &Rows,
-    scratch: &mut [f32],
-) {
-    let hd = if HD > 0 { HD } else { job.shape.head_dim };
-    let width = job.shape.num_heads * hd;
-    let nrows = rows.queries * rows.group;
-    let (qs, rest) = scratch.split_at_mut(nrows * hd);
-    let (acc, rest) = rest.split_at_mut(nrows * hd);
-    let (ms, ls) = rest.split_at_mut(nrows);
-    for qi in 0..rows.queries {
-        for g in 0..rows.group {
-            let r = qi * rows.group + g;
-            let src = (rows.first_token + qi) * width + (rows.first_head + g) * hd;
-            for (d, s) in qs[r * hd..(r + 1) * hd]
-                .iter_mut()
-                .zip(&job.q[src..src + hd])
-            {
-                *d = s * job.scale;
-            }
-        }
-    }
-    acc.fill(0.0);
-    ms.fill(f32::NEG_INFINITY);
-    ls.fill(0.0);
-    let max_limit = rows.first_limit + rows.queries - 1;
-    let (mut offs, mut next) = ([0usize; TILE], [0usize; TILE]);
-    layout.offsets(0, TILE.min(max_limit), kv_head, &mut offs);
-    let mut t0 = 0;
-    while t0 < max_limit {
-        let n = TILE.min(max_limit - t0);
-        // Look up the next tile now and prefetch it: with paging, the next block is anywhere
-        // in the pool, where the hardware prefetcher cannot follow.
-        let n_next = TILE.min(max_limit - t0 - n);
-        if n_next > 0 {
-            layout.offsets(t0 + n, n_next, kv_head, &mut next);
-            prefetch_tile(job.k.as_ptr(), job.v.as_ptr(), &next[..n_next], hd);
-        }
-        // Query qi sees first_limit + qi tokens; skip those that end before this tile.
-        let q_from = (t0 + 1).saturating_sub(rows.first_limit);
-        for qi in q_from..rows.queries {
-            let nq = n.min(rows.first_limit + qi - t0);
-            for g in 0..rows.group {
-                let r = qi * rows.group + g;
-                // SAFETY: row r's slices are hd long; offsets of tokens < nq are inside K/V
-                // per the caller.
-                unsafe {
-                    tile_row::<E, HD>(
-                        qs[r * hd..].as_ptr(),
-                        job.k.as_ptr(),
-                        job.v.as_ptr(),
-                        &offs,
-                        nq,
-                        hd,
-                        (&mut ms[r], &mut ls[r]),
-                        acc[r * hd..].as_mut_ptr(),
-                    )
-                };
-            }
-        }
-        t0 += n;
-        std::mem::swap(&mut offs, &mut next);
-    }
-    for qi in 0..rows.queries {
-        for g in 0..rows.group {
-            let r = qi * rows.group + g;
-            let dst = (rows.first_token + qi) * width + (rows.first_head + g) * hd;
-            let inv = 1.0 / ls[r];
-            for d in 0..hd {
-                // SAFETY: dst + d is inside out (checked batch) and owned by this item.
-                unsafe { *job.out.0.add(dst + d) = acc[r * hd + d] * inv };
-            }
-        }
-    }
-}
+/// The AVX-512 tile update.
+struct Avx512Row;
 
-/// Prefetches the K and V vectors (`hd` values each) at `offs` into L2. (Into L1, a tile's
-/// 128 lines would queue behind L1's few fill buffers; L2 tracks many more misses.)
-#[inline(always)]
-fn prefetch_tile<E: Elem>(k: *const E, v: *const E, offs: &[usize], hd: usize) {
-    let per_line = 64 / std::mem::size_of::<E>();
-    for &o in offs {
-        for d in (0..hd).step_by(per_line) {
-            // SAFETY: prefetches never fault; wrapping_add keeps the address computation
-            // defined even if it were out of bounds (it is not: offsets are checked).
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T1>(k.wrapping_add(o + d).cast());
-                _mm_prefetch::<_MM_HINT_T1>(v.wrapping_add(o + d).cast());
-            }
-        }
+impl RowKernel for Avx512Row {
+    #[inline(always)]
+    unsafe fn tile_row<E: Elem, const HD: usize>(
+        q: *const f32,
+        k: *const E,
+        v: *const E,
+        offs: &[usize; TILE],
+        n: usize,
+        hd: usize,
+        ml: (&mut f32, &mut f32),
+        acc: *mut f32,
+    ) {
+        // SAFETY: forwarded from the caller (AVX-512F: this runs inside `item`).
+        unsafe { tile_row::<E, HD>(q, k, v, offs, n, hd, ml, acc) }
     }
 }
 

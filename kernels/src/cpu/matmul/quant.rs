@@ -1,0 +1,408 @@
+//! `out = x @ w^T` over block-quantized weights (Q8_0, Q4_1), as llama.cpp computes it:
+//!
+//! - **GEMV** (decode): each x row is quantized to 8 bits per 32-value block ([`BlockQ8x`]:
+//!   i8 values, a scale `d` and `s = d * sum(q)`, both rounded through f16 as llama.cpp's
+//!   `q8_0`/`q8_1` blocks are). A weight block then costs one integer dot product of 32 pairs:
+//!   `d_w * d_x * sum(q_w * q_x)`, plus `m_w * s_x` for Q4_1's offset. With AVX2 the 32 products
+//!   are one `vpmaddubsw` (u8 x i8 pairs to i16) and one `vpmaddwd` (to eight i32); Q8_0's signed
+//!   weights move their sign onto x first (`vpsignb`). The weights stream from memory in their
+//!   file size: 5 bits per weight for Q4_1, 8.5 for Q8_0.
+//! - **GEMM** (prefill): compute-bound, so the weights are widened to f32 while the AVX2 GEMM
+//!   packs its panels (once per call, then used by every x row) and x stays f32.
+//!
+//! AVX-512 CPUs run the AVX2 kernels (every CPU with AVX-512 has AVX2). The portable versions
+//! do the same integer arithmetic in plain Rust, and give the same result up to float rounding.
+
+use std::cell::RefCell;
+
+use super::{Dims, SharedOut};
+use crate::cpu::simd::Isa;
+use crate::quant::{BlockQ4_1, BlockQ8_0, QuantBlock, QK};
+use half::f16;
+
+/// 32 activations quantized to 8 bits: `x ~ d * qs`, and `s = d * sum(qs)`.
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C)]
+pub(crate) struct BlockQ8x {
+    qs: [i8; QK],
+    d: f32,
+    s: f32,
+}
+
+thread_local! {
+    /// The caller's quantized x rows, reused across calls.
+    static XQ: RefCell<Vec<BlockQ8x>> = const { RefCell::new(Vec::new()) };
+    /// A widened weight row (portable GEMM).
+    static ROW: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Quantizes `x` (rows of `k` values, `k` a multiple of 32) into `out`, block by block:
+/// `d = max|x| / 127`, `q = round(x / d)` (ties to even, as `vcvtps2dq` rounds).
+pub(crate) fn quantize_x(x: &[f32], out: &mut Vec<BlockQ8x>) {
+    out.clear();
+    out.extend(x.chunks_exact(QK).map(|c| {
+        let amax = c.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let qs: [i8; QK] = std::array::from_fn(|i| (c[i] * id).round_ties_even() as i8);
+        let sum: i32 = qs.iter().map(|&q| q as i32).sum();
+        BlockQ8x {
+            qs,
+            d: f16::from_f32(d).to_f32(),
+            s: f16::from_f32(d * sum as f32).to_f32(),
+        }
+    }));
+}
+
+/// A weight block format the quantized kernels multiply.
+pub(crate) trait QDot: QuantBlock {
+    /// `sum(w_i * x_i)` over the block, in integer arithmetic (portable).
+    fn dot(&self, x: &BlockQ8x) -> f32;
+
+    /// Whether blocks carry an offset `m` (Q4_1) besides the scale.
+    const HAS_OFFSET: bool;
+
+    /// The block's scale and offset as f16 bits (offset 0 for Q8_0).
+    fn scale_bits(&self) -> (u16, u16);
+
+    /// The 32 weights as bytes in value order: Q4_1's nibbles as u8, Q8_0's values as i8.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn weights256(&self) -> std::arch::x86_64::__m256i;
+
+    /// Eight i32 partial sums of `w_i * x_i` for [`QDot::weights256`]'s bytes and 32 i8 x.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn idot256(
+        w: std::arch::x86_64::__m256i,
+        x: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i;
+
+    /// Weights `off..off + 8` widened (`off` a multiple of 8).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(&self, off: usize) -> std::arch::x86_64::__m256;
+}
+
+impl QDot for BlockQ8_0 {
+    #[inline(always)]
+    fn dot(&self, x: &BlockQ8x) -> f32 {
+        let sum: i32 = self
+            .qs
+            .iter()
+            .zip(&x.qs)
+            .map(|(&w, &v)| w as i32 * v as i32)
+            .sum();
+        sum as f32 * (self.d.to_f32() * x.d)
+    }
+
+    const HAS_OFFSET: bool = false;
+
+    #[inline(always)]
+    fn scale_bits(&self) -> (u16, u16) {
+        (self.d.to_bits(), 0)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn weights256(&self) -> std::arch::x86_64::__m256i {
+        // SAFETY: qs is 32 bytes; AVX per the caller.
+        unsafe { std::arch::x86_64::_mm256_loadu_si256(self.qs.as_ptr().cast()) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn idot256(
+        w: std::arch::x86_64::__m256i,
+        x: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: register-only AVX2; |w| * (x * sign w) = w * x, and two products of at most
+        // 128 * 127 fit vpmaddubsw's i16 sums.
+        unsafe {
+            let p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+            _mm256_madd_epi16(p16, _mm256_set1_epi16(1))
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(&self, off: usize) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: off + 8 <= 32 bytes of qs; AVX2 per the caller.
+        unsafe {
+            let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(self.qs.as_ptr().add(off).cast()));
+            _mm256_mul_ps(
+                _mm256_cvtepi32_ps(q),
+                _mm256_set1_ps(f16_bits(self.d.to_bits())),
+            )
+        }
+    }
+}
+
+impl QDot for BlockQ4_1 {
+    #[inline(always)]
+    fn dot(&self, x: &BlockQ8x) -> f32 {
+        let mut sum = 0i32;
+        for i in 0..QK / 2 {
+            let b = self.qs[i];
+            sum += (b & 15) as i32 * x.qs[i] as i32 + (b >> 4) as i32 * x.qs[QK / 2 + i] as i32;
+        }
+        sum as f32 * (self.d.to_f32() * x.d) + self.m.to_f32() * x.s
+    }
+
+    const HAS_OFFSET: bool = true;
+
+    #[inline(always)]
+    fn scale_bits(&self) -> (u16, u16) {
+        (self.d.to_bits(), self.m.to_bits())
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn weights256(&self) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: qs is 16 bytes; AVX2 per the caller. Low nibbles are weights 0..16, high
+        // nibbles 16..32.
+        unsafe {
+            let q = _mm_loadu_si128(self.qs.as_ptr().cast());
+            let m4 = _mm_set1_epi8(15);
+            let lo = _mm_and_si128(q, m4);
+            let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), m4);
+            _mm256_set_m128i(hi, lo)
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn idot256(
+        w: std::arch::x86_64::__m256i,
+        x: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: register-only AVX2; nibbles are u8 0..=15, so pair sums fit i16.
+        unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(&self, off: usize) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the 8 bytes read are inside qs (off < 16: bytes off..off+8, low nibbles;
+        // else bytes off-16..off-8, high nibbles); AVX2/FMA/F16C per the caller.
+        unsafe {
+            let (at, shift) = if off < 16 { (off, 0) } else { (off - 16, 4) };
+            let b = _mm_loadl_epi64(self.qs.as_ptr().add(at).cast());
+            let b = _mm_and_si128(
+                _mm_srl_epi16(b, _mm_cvtsi32_si128(shift)),
+                _mm_set1_epi8(15),
+            );
+            let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+            let d = _mm256_set1_ps(f16_bits(self.d.to_bits()));
+            _mm256_fmadd_ps(q, d, _mm256_set1_ps(f16_bits(self.m.to_bits())))
+        }
+    }
+}
+
+/// An f16 (as bits) widened with F16C.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn f16_bits(bits: u16) -> f32 {
+    use std::arch::x86_64::*;
+    // SAFETY: register-only F16C; the caller guarantees the feature.
+    unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
+}
+
+/// Runs `f` with `x` quantized (on the calling thread, into a buffer reused across calls).
+pub(super) fn with_quantized_x<R>(x: &[f32], f: impl FnOnce(&[BlockQ8x]) -> R) -> R {
+    XQ.with(|cell| {
+        let mut xq = cell.borrow_mut();
+        quantize_x(x, &mut xq);
+        f(&xq)
+    })
+}
+
+/// Columns `n0..n1` of `out = x @ w^T` for small m, x already quantized.
+///
+/// # Safety
+/// `xq` holds `m * k / 32` blocks, `w` holds `n * k / 32`, and `out` points to `m * n` f32s of
+/// which this call may write columns `n0..n1`.
+pub(super) unsafe fn gemv_range<B: QDot>(
+    isa: Isa,
+    xq: &[BlockQ8x],
+    w: &[B],
+    d: Dims,
+    n0: usize,
+    n1: usize,
+    out: SharedOut,
+) {
+    let nb = d.k / QK;
+    debug_assert!(xq.len() >= d.m * nb && w.len() >= d.n * nb);
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable {
+        // SAFETY: every ISA above Portable has AVX2/FMA/F16C; shapes per the caller.
+        unsafe { gemv_avx2(xq, w, d, n0, n1, out.0) };
+        return;
+    }
+    let _ = isa;
+    for j in n0..n1 {
+        let wr = &w[j * nb..(j + 1) * nb];
+        for i in 0..d.m {
+            let xr = &xq[i * nb..(i + 1) * nb];
+            let v: f32 = wr.iter().zip(xr).map(|(b, x)| b.dot(x)).sum();
+            // SAFETY: i < m and n0 <= j < n1, inside this call's columns per the caller.
+            unsafe { *out.at(i * d.n + j) = v };
+        }
+    }
+}
+
+/// Columns `n0..n1` of `out = x @ w^T` for many rows: f32 x against widened weights.
+///
+/// # Safety
+/// As for [`gemv_range`], with `x` holding `m * k` f32 values.
+pub(super) unsafe fn gemm_range<B: QDot>(
+    isa: Isa,
+    x: &[f32],
+    w: &[B],
+    d: Dims,
+    n0: usize,
+    n1: usize,
+    out: SharedOut,
+) {
+    let nb = d.k / QK;
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable {
+        // SAFETY: every ISA above Portable has AVX2/FMA/F16C; w has n rows of nb blocks.
+        unsafe { super::avx2::gemm(x, &Rows { w, nb }, d, n0, n1, out.0) };
+        return;
+    }
+    let _ = isa;
+    ROW.with(|cell| {
+        let mut row = cell.borrow_mut();
+        row.resize(d.k, 0.0);
+        for j in n0..n1 {
+            crate::quant::dequantize(&w[j * nb..(j + 1) * nb], &mut row);
+            for i in 0..d.m {
+                let v = super::portable::dot(&x[i * d.k..(i + 1) * d.k], &row);
+                // SAFETY: i < m and n0 <= j < n1, inside this call's columns per the caller.
+                unsafe { *out.at(i * d.n + j) = v };
+            }
+        }
+    });
+}
+
+/// Quantized rows as the AVX2 GEMM packs them.
+#[cfg(target_arch = "x86_64")]
+struct Rows<'a, B> {
+    w: &'a [B],
+    nb: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<B: QDot> super::avx2::PanelRows for Rows<'_, B> {
+    #[inline(always)]
+    unsafe fn load8(&self, j: usize, p: usize) -> std::arch::x86_64::__m256 {
+        // SAFETY: p + 8 <= k and p's block is row j's (p / 32); the packer reads 8-aligned
+        // groups (its blocks start at multiples of 8), so they never straddle two blocks.
+        unsafe { self.w[j * self.nb + p / QK].load8(p % QK) }
+    }
+
+    fn value(&self, j: usize, p: usize) -> f32 {
+        let mut vals = [0.0f32; QK];
+        self.w[j * self.nb + p / QK].dequantize(&mut vals);
+        vals[p % QK]
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv_avx2<B: QDot>(
+    xq: &[BlockQ8x],
+    w: &[B],
+    d: Dims,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+) {
+    let nb = d.k / QK;
+    let (xp, wp) = (xq.as_ptr(), w.as_ptr());
+    let mut j = n0;
+    while j < n1 {
+        let nr = if n1 - j >= 4 { 4 } else { 1 };
+        let mut i = 0;
+        while i < d.m {
+            let mr = (d.m - i).min(2);
+            // SAFETY: rows i..i+mr of xq and j..j+nr of w exist (nb blocks each); out is
+            // valid per the caller.
+            unsafe {
+                let (xt, wt, ot) = (xp.add(i * nb), wp.add(j * nb), out.add(i * d.n + j));
+                match (mr, nr) {
+                    (2, 4) => qtile::<B, 2, 4>(xt, wt, nb, ot, d.n),
+                    (1, 4) => qtile::<B, 1, 4>(xt, wt, nb, ot, d.n),
+                    (2, _) => qtile::<B, 2, 1>(xt, wt, nb, ot, d.n),
+                    _ => qtile::<B, 1, 1>(xt, wt, nb, ot, d.n),
+                }
+            }
+            i += mr;
+        }
+        j += nr;
+    }
+}
+
+/// `out[r * ldo + c] = dot(x row r, w row c)` for an `R x C` tile of rows `nb` blocks long.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn qtile<B: QDot, const R: usize, const C: usize>(
+    x: *const BlockQ8x,
+    w: *const B,
+    nb: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    use crate::cpu::simd::hsum256;
+    use std::arch::x86_64::*;
+    /// Bytes ahead of the block being read that each weight row prefetches.
+    const AHEAD: usize = 1024;
+    // SAFETY (whole body): the caller guarantees R rows of x and C rows of w, nb blocks each,
+    // an R x C output tile at `out` with row stride `ldo`, and AVX2/FMA/F16C.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        let mut offset = [[0.0f32; C]; R];
+        for b in 0..nb {
+            let mut wv = [_mm256_setzero_si256(); C];
+            let mut sc = [(0.0f32, 0.0f32); C];
+            for c in 0..C {
+                let blk = &*w.add(c * nb + b);
+                if b % 2 == 0 {
+                    let at = (blk as *const B).cast::<u8>().wrapping_add(AHEAD);
+                    _mm_prefetch::<_MM_HINT_T0>(at.cast());
+                }
+                wv[c] = blk.weights256();
+                let (d, m) = blk.scale_bits();
+                sc[c] = (f16_bits(d), if B::HAS_OFFSET { f16_bits(m) } else { 0.0 });
+            }
+            for r in 0..R {
+                let xb = &*x.add(r * nb + b);
+                let xv = _mm256_loadu_si256(xb.qs.as_ptr().cast());
+                for c in 0..C {
+                    let p = _mm256_cvtepi32_ps(B::idot256(wv[c], xv));
+                    acc[r][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(sc[c].0 * xb.d), acc[r][c]);
+                    if B::HAS_OFFSET {
+                        offset[r][c] += sc[c].1 * xb.s;
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for c in 0..C {
+                *out.add(r * ldo + c) = hsum256(acc[r][c]) + offset[r][c];
+            }
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! `matmul` over Q8_0 and Q4_1 weights against a dequantize-then-multiply reference in f64, on
+//! every instruction set this CPU has, at the decode (GEMV) and prefill (GEMM) row counts.
+//!
+//! Tolerances:
+//! - GEMM (x stays f32): 1e-5 of `sum |x_p * w_p|`, as for dense weights.
+//! - GEMV (x quantized to 8 bits per 32-value block, as llama.cpp does): the rounding of each
+//!   x value moves it by at most half its block's step `max|x| / 127`, so an output may differ
+//!   from the reference by `sum over blocks of sum |w| * step / 2`, plus 2^-10 of
+//!   `sum |x_p * w_p|` for the f16 rounding of the block scales.
+
+mod common;
+
+use common::{backends, random, rng};
+use kvgate_kernels::quant::{self, BlockQ4_1, BlockQ8_0, QuantBlock, QK};
+use kvgate_kernels::{Backend, Cpu, Quant, WeightData};
+
+fn dequantized(data: &WeightData) -> Vec<f32> {
+    fn widen<B: QuantBlock>(b: &[B]) -> Vec<f32> {
+        let mut v = vec![0.0; b.len() * QK];
+        quant::dequantize(b, &mut v);
+        v
+    }
+    match data {
+        WeightData::Q8_0(b) => widen(b),
+        WeightData::Q4_1(b) => widen(b),
+        _ => unreachable!("quantized data only"),
+    }
+}
+
+fn check(cpu: &Cpu, seed: u64, m: usize, n: usize, k: usize, q: Quant) {
+    let mut r = rng(seed);
+    let x = random(&mut r, m * k, 1.0);
+    // Weights with an offset, so Q4_1's minimum matters.
+    let w: Vec<f32> = random(&mut r, n * k, 0.5).iter().map(|v| v + 0.1).collect();
+    let data = WeightData::quantized(&w, q);
+    let wq = dequantized(&data);
+    let wt = cpu.weight(data, n, k);
+    let mut out = cpu.tensor(2, 3);
+    cpu.matmul(&cpu.upload(&x, m, k), &wt, None, &mut out);
+    assert_eq!(cpu.shape(&out), (m, n));
+    let got = cpu.download(&out);
+    let gemv = m <= 8;
+    for i in 0..m {
+        let xr = &x[i * k..(i + 1) * k];
+        for j in 0..n {
+            let wr = &wq[j * k..(j + 1) * k];
+            let (mut sum, mut mag, mut rounding) = (0.0f64, 0.0f64, 0.0f64);
+            for (xb, wb) in xr.chunks(QK).zip(wr.chunks(QK)) {
+                let step = xb.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64 / 127.0;
+                for (&a, &b) in xb.iter().zip(wb) {
+                    let t = a as f64 * b as f64;
+                    sum += t;
+                    mag += t.abs();
+                    rounding += (b as f64).abs() * step / 2.0;
+                }
+            }
+            let tol = if gemv {
+                rounding * 1.001 + mag / 1024.0
+            } else {
+                1e-5 * mag
+            } + 1e-6;
+            let g = got[i * n + j] as f64;
+            assert!(
+                (g - sum).abs() <= tol,
+                "{} {q:?} m={m} n={n} k={k}: out[{i},{j}] = {g}, want {sum} (allowed {tol:.3e})",
+                cpu.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn quantized_gemv_matches_the_dequantized_reference() {
+    for cpu in backends() {
+        for q in [Quant::Q8_0, Quant::Q4_1] {
+            for &(m, n, k) in &[
+                (1, 577, 576),
+                (1, 7, 32),
+                (2, 33, 64),
+                (3, 64, 1536),
+                (8, 9, 96),
+            ] {
+                check(&cpu, 1, m, n, k, q);
+            }
+        }
+    }
+}
+
+#[test]
+fn quantized_gemm_matches_the_dequantized_reference() {
+    for cpu in backends() {
+        for q in [Quant::Q8_0, Quant::Q4_1] {
+            for &(m, n, k) in &[(64, 577, 64), (9, 33, 320), (29, 96, 576)] {
+                check(&cpu, 2, m, n, k, q);
+            }
+        }
+    }
+}
+
+#[test]
+fn every_instruction_set_gives_the_portable_answer() {
+    // The integer dot products are exact; only the float scaling may round differently.
+    let all = backends();
+    let portable = &all[0];
+    for q in [Quant::Q8_0, Quant::Q4_1] {
+        let mut r = rng(3);
+        let (m, n, k) = (2, 40, 576);
+        let x = random(&mut r, m * k, 2.0);
+        let w = random(&mut r, n * k, 1.0);
+        let outs: Vec<Vec<f32>> = all
+            .iter()
+            .map(|cpu| {
+                let wt = cpu.weight(WeightData::quantized(&w, q), n, k);
+                let mut out = cpu.tensor(0, 0);
+                cpu.matmul(&cpu.upload(&x, m, k), &wt, None, &mut out);
+                cpu.download(&out)
+            })
+            .collect();
+        for (cpu, out) in all.iter().zip(&outs) {
+            for (a, b) in out.iter().zip(&outs[0]) {
+                assert!(
+                    (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                    "{} vs {}: {a} vs {b}",
+                    cpu.name(),
+                    portable.name()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn an_embedding_row_of_a_quantized_table_is_its_dequantized_row() {
+    let cpu = Cpu::new();
+    let mut r = rng(4);
+    let (vocab, dim) = (10, 64);
+    let table = random(&mut r, vocab * dim, 1.0);
+    for q in [Quant::Q8_0, Quant::Q4_1] {
+        let data = WeightData::quantized(&table, q);
+        let want = dequantized(&data);
+        let t = cpu.weight(data, vocab, dim);
+        let mut out = cpu.tensor(0, 0);
+        cpu.embedding(&t, &[7, 0, 7], &mut out);
+        let got = cpu.download(&out);
+        assert_eq!(&got[..dim], &want[7 * dim..8 * dim]);
+        assert_eq!(&got[dim..2 * dim], &want[..dim]);
+    }
+}
+
+#[test]
+fn quantized_blocks_take_their_file_size_in_memory() {
+    let cpu = Cpu::new();
+    let (n, k) = (64, 576);
+    let w = vec![0.5f32; n * k];
+    let q8 = cpu.weight(WeightData::Q8_0(quant::quantize::<BlockQ8_0>(&w)), n, k);
+    let q4 = cpu.weight(WeightData::Q4_1(quant::quantize::<BlockQ4_1>(&w)), n, k);
+    assert_eq!(q8.size_bytes(), n * k / QK * 34);
+    assert_eq!(q4.size_bytes(), n * k / QK * 20);
+}
