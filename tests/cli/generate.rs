@@ -84,6 +84,39 @@ fn golden_outputs_in_f32_and_f16() {
     }
 }
 
+/// `--dtype q8_0` / `q4_1` on the default model: its Q4_1 file imported with the blocks kept and
+/// run as they are. Q8_0 keeps the golden answers; Q4_1 (8-bit activations, as llama.cpp's own
+/// Q4_1 path) flips the golden question's near tie and answers in French, which is what
+/// llama.cpp answers on the same file too (docs/quantization.md).
+#[test]
+fn quantized_outputs_of_the_shipped_q4_1_file() {
+    if !home().join("downloads").exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "scripts/test fetches the model first"
+        );
+        eprintln!("skipped: run scripts/test once to fetch the model");
+        return;
+    }
+    let question = ["--chat", "--prompt", "What is the capital of France?"];
+    let (text, ids) = generate(&[&question[..], &["--dtype", "q8_0"]].concat());
+    assert_eq!(ids, [504, 3575, 282, 4649, 314, 7042, 30], "q8_0");
+    assert_eq!(text, "The capital of France is Paris.", "q8_0");
+    let (text, ids) =
+        generate(&[&question[..], &["--dtype", "q4_1", "--max-tokens", "6"]].concat());
+    assert_eq!(ids, [60, 23, 39614, 1141, 552, 28], "q4_1");
+    assert!(text.starts_with("L'Étoile"), "q4_1: {text}");
+    // The quantized import is a directory of its own, beside the f32 one, holding the blocks.
+    let dir = home().join("models/smollm2-135m-instruct-quantized");
+    let bytes = std::fs::metadata(dir.join("model.safetensors"))
+        .expect("the quantized import")
+        .len();
+    assert!(
+        bytes < 110_000_000,
+        "the quantized import keeps the 98 MB file's blocks, not f32 ({bytes} bytes)"
+    );
+}
+
 /// `--device cuda`: on a GPU, or on the emulated one (kernels/emu) in CI, the golden answer.
 #[cfg(feature = "cuda")]
 #[test]

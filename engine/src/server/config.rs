@@ -405,6 +405,14 @@ mod tests {
         assert_eq!(c.kv.block_size, 16);
         assert_eq!(c.scheduler.preemption, PreemptMode::Recompute);
         assert_eq!(c.dtype, WeightDType::F32);
+        for (name, want, quant) in [
+            ("q8_0", WeightDType::Q8_0, Some(Quant::Q8_0)),
+            ("q4_1", WeightDType::Q4_1, Some(Quant::Q4_1)),
+            ("f16", WeightDType::F16, None),
+        ] {
+            let c = EngineConfig::parse(&format!("dtype = \"{name}\"")).unwrap();
+            assert_eq!((c.dtype, c.dtype.quant()), (want, quant), "{name}");
+        }
         // A decode step's prefill: a quarter-ish step on the CPU, the whole budget on a GPU.
         assert_eq!(c.scheduler.decode_step_prefill_tokens(Device::Cpu), 256);
         assert_eq!(

@@ -44,7 +44,10 @@ pub(crate) fn quantize_x(x: &[f32], out: &mut Vec<BlockQ8x>) {
         let amax = c.iter().fold(0.0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        let qs: [i8; QK] = std::array::from_fn(|i| (c[i] * id).round_ties_even() as i8);
+        // Round to nearest, ties to even, without a libm call: adding 1.5 * 2^23 leaves no
+        // fraction bits (|x * id| <= 127), so the default rounding mode does it.
+        const ROUND: f32 = 12_582_912.0;
+        let qs: [i8; QK] = std::array::from_fn(|i| ((c[i] * id + ROUND) - ROUND) as i8);
         let sum: i32 = qs.iter().map(|&q| q as i32).sum();
         BlockQ8x {
             qs,
@@ -62,8 +65,12 @@ pub(crate) trait QDot: QuantBlock {
     /// Whether blocks carry an offset `m` (Q4_1) besides the scale.
     const HAS_OFFSET: bool;
 
-    /// The block's scale and offset as f16 bits (offset 0 for Q8_0).
-    fn scale_bits(&self) -> (u16, u16);
+    /// `[d, m, 0, 0]` widened (m = 0 for Q8_0).
+    ///
+    /// # Safety
+    /// The CPU must support F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn scales128(&self) -> std::arch::x86_64::__m128;
 
     /// The 32 weights as bytes in value order: Q4_1's nibbles as u8, Q8_0's values as i8.
     ///
@@ -104,9 +111,12 @@ impl QDot for BlockQ8_0 {
 
     const HAS_OFFSET: bool = false;
 
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    fn scale_bits(&self) -> (u16, u16) {
-        (self.d.to_bits(), 0)
+    unsafe fn scales128(&self) -> std::arch::x86_64::__m128 {
+        use std::arch::x86_64::*;
+        // SAFETY: register-only F16C; the caller guarantees the feature.
+        unsafe { _mm_cvtph_ps(_mm_cvtsi32_si128(self.d.to_bits() as i32)) }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -159,9 +169,15 @@ impl QDot for BlockQ4_1 {
 
     const HAS_OFFSET: bool = true;
 
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    fn scale_bits(&self) -> (u16, u16) {
-        (self.d.to_bits(), self.m.to_bits())
+    unsafe fn scales128(&self) -> std::arch::x86_64::__m128 {
+        use std::arch::x86_64::*;
+        // SAFETY: d and m are the block's first 4 bytes (repr(C)); F16C per the caller.
+        unsafe {
+            let dm = std::ptr::read_unaligned((self as *const Self).cast::<i32>());
+            _mm_cvtph_ps(_mm_cvtsi32_si128(dm))
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -169,13 +185,11 @@ impl QDot for BlockQ4_1 {
     unsafe fn weights256(&self) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
         // SAFETY: qs is 16 bytes; AVX2 per the caller. Low nibbles are weights 0..16, high
-        // nibbles 16..32.
+        // nibbles 16..32: the 16 bytes in both halves, the upper half shifted down by 4.
         unsafe {
-            let q = _mm_loadu_si128(self.qs.as_ptr().cast());
-            let m4 = _mm_set1_epi8(15);
-            let lo = _mm_and_si128(q, m4);
-            let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), m4);
-            _mm256_set_m128i(hi, lo)
+            let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(self.qs.as_ptr().cast()));
+            let q = _mm256_srlv_epi64(q, _mm256_set_epi64x(4, 4, 0, 0));
+            _mm256_and_si256(q, _mm256_set1_epi8(15))
         }
     }
 
@@ -373,10 +387,9 @@ unsafe fn qtile<B: QDot, const R: usize, const C: usize>(
     // an R x C output tile at `out` with row stride `ldo`, and AVX2/FMA/F16C.
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); C]; R];
-        let mut offset = [[0.0f32; C]; R];
         for b in 0..nb {
             let mut wv = [_mm256_setzero_si256(); C];
-            let mut sc = [(0.0f32, 0.0f32); C];
+            let mut sc = [_mm_setzero_ps(); C];
             for c in 0..C {
                 let blk = &*w.add(c * nb + b);
                 if b % 2 == 0 {
@@ -384,24 +397,30 @@ unsafe fn qtile<B: QDot, const R: usize, const C: usize>(
                     _mm_prefetch::<_MM_HINT_T0>(at.cast());
                 }
                 wv[c] = blk.weights256();
-                let (d, m) = blk.scale_bits();
-                sc[c] = (f16_bits(d), if B::HAS_OFFSET { f16_bits(m) } else { 0.0 });
+                sc[c] = blk.scales128();
             }
-            for r in 0..R {
+            for (r, accr) in acc.iter_mut().enumerate() {
                 let xb = &*x.add(r * nb + b);
                 let xv = _mm256_loadu_si256(xb.qs.as_ptr().cast());
+                // [d_x, s_x, 0, 0]: the two floats after qs.
+                let xds = _mm_castpd_ps(_mm_load_sd((&xb.d as *const f32).cast()));
                 for c in 0..C {
+                    // [d_w * d_x, m_w * s_x, 0, 0].
+                    let prod = _mm_mul_ps(sc[c], xds);
                     let p = _mm256_cvtepi32_ps(B::idot256(wv[c], xv));
-                    acc[r][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(sc[c].0 * xb.d), acc[r][c]);
+                    accr[c] = _mm256_fmadd_ps(p, _mm256_broadcastss_ps(prod), accr[c]);
                     if B::HAS_OFFSET {
-                        offset[r][c] += sc[c].1 * xb.s;
+                        // m_w * s_x into lane 0 (the lanes are summed at the end): source
+                        // lane 1 to lane 0, the other lanes zeroed.
+                        let off = _mm_insert_ps::<0b0100_1110>(prod, prod);
+                        accr[c] = _mm256_add_ps(accr[c], _mm256_zextps128_ps256(off));
                     }
                 }
             }
         }
-        for r in 0..R {
-            for c in 0..C {
-                *out.add(r * ldo + c) = hsum256(acc[r][c]) + offset[r][c];
+        for (r, accr) in acc.iter().enumerate() {
+            for (c, &a) in accr.iter().enumerate() {
+                *out.add(r * ldo + c) = hsum256(a);
             }
         }
     }
