@@ -48,14 +48,22 @@ fn generate_with_stderr(args: &[&str]) -> ((String, Vec<u32>), String) {
     )
 }
 
-#[test]
-fn golden_outputs_in_f32_and_f16() {
-    if !home().join("downloads").exists() {
+/// Whether `scripts/test` has fetched the model (in CI it must have; elsewhere a test skips).
+fn model_fetched() -> bool {
+    let fetched = home().join("downloads").exists();
+    if !fetched {
         assert!(
             std::env::var_os("CI").is_none(),
             "scripts/test fetches the model first"
         );
         eprintln!("skipped: run scripts/test once to fetch the model");
+    }
+    fetched
+}
+
+#[test]
+fn golden_outputs_in_f32_and_f16() {
+    if !model_fetched() {
         return;
     }
     for dtype in ["f32", "f16"] {
@@ -90,12 +98,7 @@ fn golden_outputs_in_f32_and_f16() {
 /// llama.cpp answers on the same file too (docs/quantization.md).
 #[test]
 fn quantized_outputs_of_the_shipped_q4_1_file() {
-    if !home().join("downloads").exists() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "scripts/test fetches the model first"
-        );
-        eprintln!("skipped: run scripts/test once to fetch the model");
+    if !model_fetched() {
         return;
     }
     let question = ["--chat", "--prompt", "What is the capital of France?"];
