@@ -1,9 +1,10 @@
 //! `matmul` over Q8_0 and Q4_1 weights against a dequantize-then-multiply reference in f64, on
-//! every instruction set this CPU has, at the decode (GEMV) and prefill (GEMM) row counts.
+//! every instruction set this CPU has, at the row counts of the integer path (decode and batches
+//! of decodes, up to `QUANT_GEMV_MAX_ROWS`) and of the widening GEMM (prefill).
 //!
 //! Tolerances:
 //! - GEMM (x stays f32): 1e-5 of `sum |x_p * w_p|`, as for dense weights.
-//! - GEMV (x quantized to 8 bits per 32-value block, as llama.cpp does): the rounding of each
+//! - Integer path (x quantized to 8 bits per 32-value block, as llama.cpp does): the rounding of each
 //!   x value moves it by at most half its block's step `max|x| / 127`, so an output may differ
 //!   from the reference by `sum over blocks of sum |w| * step / 2`, plus 2^-10 of
 //!   `sum |x_p * w_p|` for the f16 rounding of the block scales.
@@ -11,6 +12,7 @@
 mod common;
 
 use common::{backends, random, rng};
+use kvgate_kernels::cpu::QUANT_GEMV_MAX_ROWS;
 use kvgate_kernels::quant::{self, BlockQ4_1, BlockQ8_0, QuantBlock, QK};
 use kvgate_kernels::{Backend, Cpu, Quant, WeightData};
 
@@ -39,7 +41,7 @@ fn check(cpu: &Cpu, seed: u64, m: usize, n: usize, k: usize, q: Quant) {
     cpu.matmul(&cpu.upload(&x, m, k), &wt, None, &mut out);
     assert_eq!(cpu.shape(&out), (m, n));
     let got = cpu.download(&out);
-    let gemv = m <= 8;
+    let gemv = m <= QUANT_GEMV_MAX_ROWS;
     for i in 0..m {
         let xr = &x[i * k..(i + 1) * k];
         for j in 0..n {
@@ -79,6 +81,8 @@ fn quantized_gemv_matches_the_dequantized_reference() {
                 (2, 33, 64),
                 (3, 64, 1536),
                 (8, 9, 96),
+                (32, 20, 576),
+                (QUANT_GEMV_MAX_ROWS, 5, 64),
             ] {
                 check(&cpu, 1, m, n, k, q);
             }
@@ -90,7 +94,8 @@ fn quantized_gemv_matches_the_dequantized_reference() {
 fn quantized_gemm_matches_the_dequantized_reference() {
     for cpu in backends() {
         for q in [Quant::Q8_0, Quant::Q4_1] {
-            for &(m, n, k) in &[(64, 577, 64), (9, 33, 320), (29, 96, 576)] {
+            let m0 = QUANT_GEMV_MAX_ROWS + 1;
+            for &(m, n, k) in &[(m0, 577, 64), (m0 + 8, 33, 320), (2 * m0, 96, 576)] {
                 check(&cpu, 2, m, n, k, q);
             }
         }

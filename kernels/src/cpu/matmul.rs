@@ -29,6 +29,11 @@ use quant::QDot;
 /// Up to this many rows, the GEMV path (weights streamed once, dot products) beats packing.
 pub const GEMV_MAX_ROWS: usize = 8;
 
+/// Up to this many rows, quantized weights run the integer dot products against x quantized per
+/// block; beyond, the GEMM widens them while it packs. The integer path stays ahead well past
+/// decode: a batch of decodes reads each weight block once per tile of x rows from cache.
+pub const QUANT_GEMV_MAX_ROWS: usize = 64;
+
 /// Weight bytes per GEMV task, beyond one task per thread.
 const GEMV_TASK_BYTES: usize = 1 << 20;
 
@@ -86,6 +91,11 @@ trait Weights: Sync {
     /// Bytes of one row of `k` values.
     fn row_bytes(&self, k: usize) -> usize;
 
+    /// Up to this many x rows the GEMV runs, beyond it the GEMM.
+    fn gemv_max_rows(&self) -> usize {
+        GEMV_MAX_ROWS
+    }
+
     /// Columns `n0..n1` of `out`.
     ///
     /// # Safety
@@ -134,6 +144,10 @@ impl<B: QDot> Weights for Quantized<'_, B> {
         k / QK * B::QUANT.block_bytes()
     }
 
+    fn gemv_max_rows(&self) -> usize {
+        QUANT_GEMV_MAX_ROWS
+    }
+
     unsafe fn range(
         &self,
         isa: Isa,
@@ -157,7 +171,7 @@ impl<B: QDot> Weights for Quantized<'_, B> {
 
 /// `out = x @ w^T` for quantized `w`: the GEMV quantizes x once, on the calling thread.
 fn run_quant<B: QDot>(isa: Isa, x: &[f32], w: &[B], d: Dims, out: &mut [f32]) {
-    if d.m <= GEMV_MAX_ROWS && d.k > 0 {
+    if d.m <= QUANT_GEMV_MAX_ROWS && d.k > 0 {
         quant::with_quantized_x(x, |xq| run(isa, x, &Quantized { w, xq }, d, out));
     } else {
         run(isa, x, &Quantized { w, xq: &[] }, d, out);
@@ -177,7 +191,7 @@ fn run<W: Weights + ?Sized>(isa: Isa, x: &[f32], w: &W, d: Dims, out: &mut [f32]
     } else {
         pool().threads()
     };
-    let gemv = d.m <= GEMV_MAX_ROWS;
+    let gemv = d.m <= w.gemv_max_rows();
     let chunk = if gemv {
         gemv_chunk(d.n, w.row_bytes(d.k), threads)
     } else {

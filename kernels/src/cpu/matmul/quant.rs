@@ -1,13 +1,13 @@
 //! `out = x @ w^T` over block-quantized weights (Q8_0, Q4_1), as llama.cpp computes it:
 //!
-//! - **GEMV** (decode): each x row is quantized to 8 bits per 32-value block ([`BlockQ8x`]:
+//! - **GEMV** (decode, and batches up to `QUANT_GEMV_MAX_ROWS` rows): each x row is quantized to 8 bits per 32-value block ([`BlockQ8x`]:
 //!   i8 values, a scale `d` and `s = d * sum(q)`, both rounded through f16 as llama.cpp's
 //!   `q8_0`/`q8_1` blocks are). A weight block then costs one integer dot product of 32 pairs:
 //!   `d_w * d_x * sum(q_w * q_x)`, plus `m_w * s_x` for Q4_1's offset. With AVX2 the 32 products
 //!   are one `vpmaddubsw` (u8 x i8 pairs to i16) and one `vpmaddwd` (to eight i32); Q8_0's signed
 //!   weights move their sign onto x first (`vpsignb`). The weights stream from memory in their
 //!   file size: 5 bits per weight for Q4_1, 8.5 for Q8_0.
-//! - **GEMM** (prefill): compute-bound, so the weights are widened to f32 while the AVX2 GEMM
+//! - **GEMM** (prefill, more rows): compute-bound, so the weights are widened to f32 while the AVX2 GEMM
 //!   packs its panels (once per call, then used by every x row) and x stays f32.
 //!
 //! AVX-512 CPUs run the AVX2 kernels (every CPU with AVX-512 has AVX2). The portable versions
