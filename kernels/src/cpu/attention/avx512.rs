@@ -29,9 +29,10 @@ pub(super) unsafe fn item<E: Elem, L: KvLayout>(
     unsafe { tiled::item::<E, L, Avx512Row>(job, layout, kv_head, rows, scratch) }
 }
 
-/// The AVX-512 tile update.
+/// The AVX-512 row kernel.
 struct Avx512Row;
 
+/// The AVX-512 tile update: one row, one tile of `n` (1..=16) tokens.
 impl RowKernel for Avx512Row {
     #[inline(always)]
     unsafe fn tile_row<E: Elem, const HD: usize>(
@@ -41,80 +42,63 @@ impl RowKernel for Avx512Row {
         offs: &[usize; TILE],
         n: usize,
         hd: usize,
-        ml: (&mut f32, &mut f32),
+        (m, l): (&mut f32, &mut f32),
         acc: *mut f32,
     ) {
-        // SAFETY: forwarded from the caller (AVX-512F: this runs inside `item`).
-        unsafe { tile_row::<E, HD>(q, k, v, offs, n, hd, ml, acc) }
-    }
-}
-
-/// One row, one tile of `n` (1..=16) tokens: the online-softmax update.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_row<E: Elem, const HD: usize>(
-    q: *const f32,
-    k: *const E,
-    v: *const E,
-    offs: &[usize; TILE],
-    n: usize,
-    hd: usize,
-    (m, l): (&mut f32, &mut f32),
-    acc: *mut f32,
-) {
-    let nv = if HD > 0 { HD / 16 } else { hd / 16 };
-    // SAFETY (whole body): q and acc hold hd values; offs[t] + hd is inside K and V for t < n;
-    // AVX-512F per the caller.
-    unsafe {
-        let mut qv = [_mm512_setzero_ps(); 16];
-        for (c, qc) in qv.iter_mut().enumerate().take(nv) {
-            *qc = _mm512_loadu_ps(q.add(16 * c));
-        }
-        let mut sums = [_mm512_setzero_ps(); TILE];
-        for (t, s) in sums.iter_mut().enumerate() {
-            if t < n {
-                let kp = k.add(offs[t]);
-                let mut a = _mm512_mul_ps(qv[0], E::load16(kp));
-                for (c, qc) in qv.iter().enumerate().take(nv).skip(1) {
-                    a = _mm512_fmadd_ps(*qc, E::load16(kp.add(16 * c)), a);
-                }
-                *s = a;
+        let nv = if HD > 0 { HD / 16 } else { hd / 16 };
+        // SAFETY (whole body): q and acc hold hd values; offs[t] + hd is inside K and V for t < n;
+        // AVX-512F per the caller.
+        unsafe {
+            let mut qv = [_mm512_setzero_ps(); 16];
+            for (c, qc) in qv.iter_mut().enumerate().take(nv) {
+                *qc = _mm512_loadu_ps(q.add(16 * c));
             }
-        }
-        let s = reduce16(&sums);
-        let valid: __mmask16 = if n >= TILE { 0xffff } else { (1u16 << n) - 1 };
-        let tile_max = _mm512_reduce_max_ps(_mm512_mask_mov_ps(
-            _mm512_set1_ps(f32::NEG_INFINITY),
-            valid,
-            s,
-        ));
-        let m_new = m.max(tile_max);
-        let p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-        // Once the running max settles, most tiles leave it unchanged: skip the exp then.
-        let corr = if m_new > *m { (*m - m_new).exp() } else { 1.0 };
-        *l = *l * corr + _mm512_reduce_add_ps(p);
-        *m = m_new;
-        let mut pa = [0.0f32; TILE];
-        _mm512_storeu_ps(pa.as_mut_ptr(), p);
-
-        let corr_v = _mm512_set1_ps(corr);
-        let mut even = [_mm512_setzero_ps(); 16];
-        let mut odd = [_mm512_setzero_ps(); 16];
-        for (c, e) in even.iter_mut().enumerate().take(nv) {
-            *e = _mm512_mul_ps(_mm512_loadu_ps(acc.add(16 * c)), corr_v);
-        }
-        for t in 0..TILE {
-            if t < n {
-                let pt = _mm512_set1_ps(pa[t]);
-                let vp = v.add(offs[t]);
-                let dst = if t % 2 == 0 { &mut even } else { &mut odd };
-                for (c, a) in dst.iter_mut().enumerate().take(nv) {
-                    *a = _mm512_fmadd_ps(pt, E::load16(vp.add(16 * c)), *a);
+            let mut sums = [_mm512_setzero_ps(); TILE];
+            for (t, s) in sums.iter_mut().enumerate() {
+                if t < n {
+                    let kp = k.add(offs[t]);
+                    let mut a = _mm512_mul_ps(qv[0], E::load16(kp));
+                    for (c, qc) in qv.iter().enumerate().take(nv).skip(1) {
+                        a = _mm512_fmadd_ps(*qc, E::load16(kp.add(16 * c)), a);
+                    }
+                    *s = a;
                 }
             }
-        }
-        for c in 0..nv {
-            _mm512_storeu_ps(acc.add(16 * c), _mm512_add_ps(even[c], odd[c]));
+            let s = reduce16(&sums);
+            let valid: __mmask16 = if n >= TILE { 0xffff } else { (1u16 << n) - 1 };
+            let tile_max = _mm512_reduce_max_ps(_mm512_mask_mov_ps(
+                _mm512_set1_ps(f32::NEG_INFINITY),
+                valid,
+                s,
+            ));
+            let m_new = m.max(tile_max);
+            let p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+            // Once the running max settles, most tiles leave it unchanged: skip the exp then.
+            let corr = if m_new > *m { (*m - m_new).exp() } else { 1.0 };
+            *l = *l * corr + _mm512_reduce_add_ps(p);
+            *m = m_new;
+            let mut pa = [0.0f32; TILE];
+            _mm512_storeu_ps(pa.as_mut_ptr(), p);
+
+            let corr_v = _mm512_set1_ps(corr);
+            let mut even = [_mm512_setzero_ps(); 16];
+            let mut odd = [_mm512_setzero_ps(); 16];
+            for (c, e) in even.iter_mut().enumerate().take(nv) {
+                *e = _mm512_mul_ps(_mm512_loadu_ps(acc.add(16 * c)), corr_v);
+            }
+            for t in 0..TILE {
+                if t < n {
+                    let pt = _mm512_set1_ps(pa[t]);
+                    let vp = v.add(offs[t]);
+                    let dst = if t % 2 == 0 { &mut even } else { &mut odd };
+                    for (c, a) in dst.iter_mut().enumerate().take(nv) {
+                        *a = _mm512_fmadd_ps(pt, E::load16(vp.add(16 * c)), *a);
+                    }
+                }
+            }
+            for c in 0..nv {
+                _mm512_storeu_ps(acc.add(16 * c), _mm512_add_ps(even[c], odd[c]));
+            }
         }
     }
 }
