@@ -208,6 +208,8 @@ pub struct Worker<B: Backend> {
     tier_rates: (f64, f64),
     /// How peer frames are made and checked, when peer transfer is on.
     peer: Option<disk::PeerCodec>,
+    /// What it computes on ([`LoadReport::compute`]).
+    compute: String,
 }
 
 /// Stack of the thread that computes grammar masks beside the forward pass.
@@ -218,6 +220,20 @@ const LOAD_POLL: Duration = Duration::from_millis(2);
 
 /// How often the published load report is brought up to date.
 const LOAD_REFRESH: Duration = Duration::from_millis(100);
+
+/// [`LoadReport::compute`]: a hash of the machine (its hostname) and the backend's compute unit,
+/// so that the report names no host and two engines agree exactly when they share compute.
+fn compute_id(unit: &str) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_default();
+    let mut h = blake3::Hasher::new();
+    h.update(host.trim().as_bytes());
+    h.update(&[0]);
+    h.update(unit.as_bytes());
+    h.finalize().to_hex()[..16].to_owned()
+}
 
 impl<B: Backend> std::fmt::Debug for Worker<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -238,7 +254,6 @@ impl<B: Backend> Worker<B> {
     ) -> Self {
         Worker {
             sched,
-            model,
             renderer,
             eos,
             requests: HashMap::new(),
@@ -254,6 +269,8 @@ impl<B: Backend> Worker<B> {
             swap_blocks: 0,
             tier_rates: (0.0, 0.0),
             peer: None,
+            compute: compute_id(&model.backend().compute_unit()),
+            model,
         }
     }
 
@@ -951,6 +968,7 @@ impl<B: Backend> Worker<B> {
             age_secs: 0.0,
             host_load_secs_per_block: self.tier_rates.0,
             disk_load_secs_per_block: self.tier_rates.1,
+            compute: self.compute.clone(),
         }
     }
 

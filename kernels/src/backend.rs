@@ -200,6 +200,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Short name of the backend (for logs and metrics).
     fn name(&self) -> &'static str;
 
+    /// What this backend computes on, within its machine: `cpu:<the CPUs the process may run
+    /// on>` or `cuda:<device ordinal>`. Two engines on one machine with the same unit share their
+    /// compute (one's work slows the other), which the gateway's routing takes into account.
+    fn compute_unit(&self) -> String;
+
     /// A zeroed `[rows, cols]` tensor.
     fn tensor(&self, rows: usize, cols: usize) -> Self::Tensor;
     /// Copies host data (`rows * cols` values) to a tensor.

@@ -94,6 +94,20 @@ impl Backend for Cpu {
         }
     }
 
+    fn compute_unit(&self) -> String {
+        // The CPUs this process may run on (its affinity, as the kernel lists it); engines
+        // pinned to disjoint CPUs do not share compute.
+        let allowed = std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                    .map(|v| v.trim().to_owned())
+            })
+            .unwrap_or_else(|| "all".to_owned());
+        format!("cpu:{allowed}")
+    }
+
     fn tensor(&self, rows: usize, cols: usize) -> CpuTensor {
         CpuTensor::zeros(rows, cols)
     }

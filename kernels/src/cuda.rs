@@ -75,6 +75,7 @@ pub struct Cuda {
     op: Mutex<()>,
     device_name: String,
     arch: String,
+    ordinal: usize,
 }
 
 impl Cuda {
@@ -134,6 +135,7 @@ impl Cuda {
             op: Mutex::new(()),
             device_name,
             arch,
+            ordinal,
         })
     }
 
@@ -286,6 +288,10 @@ impl Backend for Cuda {
 
     fn name(&self) -> &'static str {
         "cuda"
+    }
+
+    fn compute_unit(&self) -> String {
+        format!("cuda:{}", self.ordinal)
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {

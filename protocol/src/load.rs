@@ -56,13 +56,22 @@ pub struct LoadReport {
     /// (0 until measured).
     pub host_load_secs_per_block: f64,
     pub disk_load_secs_per_block: f64,
+    /// Identifies what the engine computes on (a hash of its machine and its CPU set or
+    /// device): engines reporting the same value share their compute, so work moved from one
+    /// to the other gains no capacity. Empty: unknown (taken as its own).
+    pub compute: String,
 }
+
+/// Longest [`LoadReport::compute`] kept from a report (longer ones are cut).
+pub const MAX_COMPUTE_LEN: usize = 64;
 
 /// Seconds to bring one block back from the host tier, until an engine has measured it (a copy
 /// of under a megabyte).
 pub const PRIOR_HOST_LOAD_SECS_PER_BLOCK: f64 = 0.0002;
 /// Seconds to read one block from the disk tier, until an engine has measured it.
 pub const PRIOR_DISK_LOAD_SECS_PER_BLOCK: f64 = 0.002;
+/// Seconds to fetch one block from a peer engine (framed, MACed, over the network) and stage it.
+pub const PRIOR_PEER_LOAD_SECS_PER_BLOCK: f64 = 0.002;
 
 /// A number of seconds from a report, made safe to compute with: finite, in `[0, max]`.
 fn sane(secs: f64, max: f64) -> f64 {
@@ -83,6 +92,13 @@ impl LoadReport {
         self.age_secs = sane(self.age_secs, 24.0 * 3600.0);
         self.host_load_secs_per_block = sane(self.host_load_secs_per_block, 1.0);
         self.disk_load_secs_per_block = sane(self.disk_load_secs_per_block, 1.0);
+        if self.compute.len() > MAX_COMPUTE_LEN {
+            let mut end = MAX_COMPUTE_LEN;
+            while !self.compute.is_char_boundary(end) {
+                end -= 1;
+            }
+            self.compute.truncate(end);
+        }
         self
     }
 
@@ -109,6 +125,18 @@ impl LoadReport {
         } else {
             prior
         }
+    }
+
+    /// Seconds of the step the engine is in or starts next, as of this report: its fixed cost,
+    /// and the prefill pending (up to one step's tokens) beside the running decodes. A peer
+    /// fetch from this engine waits for it: the engine's thread reads the blocks out between
+    /// steps.
+    pub fn step_now_secs(&self, prior: f64) -> f64 {
+        let tokens = self
+            .pending_prefill_tokens
+            .saturating_add(u64::from(self.running))
+            .min(u64::from(self.max_batched_tokens.max(1)));
+        self.step_secs + tokens as f64 * self.secs_per_token(prior)
     }
 
     /// Seconds to prefill `tokens` in chunks beside the running batch's decodes.
@@ -441,6 +469,13 @@ mod tests {
             (r.secs_per_token, r.step_secs, r.next_finish_secs),
             (0.0, 60.0, 0.0)
         );
+        // A compute id is cut to its bound, on a character boundary.
+        let long = LoadReport {
+            compute: "é".repeat(100),
+            ..LoadReport::default()
+        }
+        .sanitized();
+        assert_eq!(long.compute, "é".repeat(MAX_COMPUTE_LEN / 2));
         let huge = LoadReport {
             pending_prefill_tokens: u64::MAX,
             running_prefill_tokens: u64::MAX,

@@ -79,6 +79,13 @@ pub struct SimConfig {
     pub host_blocks: usize,
     /// Seconds to bring one block back from the host tier.
     pub host_load_secs_per_block: f64,
+    /// Closed loop: this many clients, each sending the trace's next request as soon as its
+    /// last one is answered (arrival times are then ignored). `None`: Poisson arrivals.
+    pub clients: Option<usize>,
+    /// Compute units the engines share (processor sharing: with more engines busy than units,
+    /// each runs at units / busy of its speed), as engines on one machine's cores do. `None`:
+    /// each engine has its own.
+    pub cores: Option<usize>,
 }
 
 impl Default for SimConfig {
@@ -102,6 +109,8 @@ impl Default for SimConfig {
             load_factor: routing.load_factor,
             host_blocks: 0,
             host_load_secs_per_block: kvgate_protocol::load::PRIOR_HOST_LOAD_SECS_PER_BLOCK,
+            clients: None,
+            cores: None,
         }
     }
 }
@@ -354,10 +363,23 @@ impl Ord for Time {
     }
 }
 
+/// An engine's current request reaching the end of a phase; the second field is the engine's
+/// phase generation when it was scheduled (a phase rescheduled after a change of speed leaves
+/// its earlier event stale).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
-    PrefillDone(usize),
-    Done(usize),
+    PrefillDone(usize, u64),
+    Done(usize, u64),
+}
+
+/// The phase an engine's current request is in, and the work left in it.
+#[derive(Debug, Clone, Copy)]
+struct Phase {
+    decoding: bool,
+    /// Seconds of work left at full speed, as of `since`.
+    left: f64,
+    since: f64,
+    generation: u64,
 }
 
 #[derive(Debug)]
@@ -369,6 +391,7 @@ struct Engine {
     host: Lru,
     queue: VecDeque<usize>,
     current: Option<usize>,
+    phase: Option<Phase>,
     /// When it will have served everything routed to it, as estimated at routing time.
     free_at: f64,
     /// Blocks that queued and in-service requests will store (the oracle's foresight).
@@ -402,6 +425,8 @@ pub struct PolicyResult {
     pub mean_ttft_ms: f64,
     pub p99_ttft_ms: f64,
     pub mean_queue_ms: f64,
+    /// Requests answered per second of the whole run.
+    pub requests_per_s: f64,
     /// Mean time of one decision in the simulator: index lookup, candidates, choice.
     pub decision_us: f64,
     pub per_engine_requests: Vec<u64>,
@@ -431,7 +456,11 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 pub fn run(trace: &Trace, policy: SimPolicy, verify: bool) -> PolicyResult {
     let mut sim = Simulation::new(trace, policy, verify);
     loop {
-        let arrival = trace.requests.get(sim.next).map(|r| r.at);
+        let arrival = match trace.config.clients {
+            _ if sim.next >= trace.requests.len() => None,
+            Some(clients) => (sim.outstanding < clients).then_some(sim.now),
+            None => Some(trace.requests[sim.next].at),
+        };
         let event_at = sim.events.peek().map(|e| (e.0).0 .0);
         match (arrival, event_at) {
             (None, None) => break,
@@ -461,6 +490,12 @@ struct Simulation<'a> {
     host_blocks: Vec<usize>,
     host_hit_tokens: u64,
     started: Vec<f64>,
+    /// Per request: when it was sent (its arrival time, or when its client was free).
+    sent: Vec<f64>,
+    /// Requests sent and not yet answered.
+    outstanding: usize,
+    /// Engines with a request in service.
+    busy: usize,
     events: BinaryHeap<std::cmp::Reverse<(Time, u64, Event)>>,
     /// Tie-breaker of events at the same time: the order they were scheduled.
     seq: u64,
@@ -486,6 +521,7 @@ impl<'a> Simulation<'a> {
                 host: Lru::default(),
                 queue: VecDeque::new(),
                 current: None,
+                phase: None,
                 free_at: 0.0,
                 pending: HashMap::new(),
                 requests: 0,
@@ -514,6 +550,9 @@ impl<'a> Simulation<'a> {
             host_blocks: vec![0; n],
             host_hit_tokens: 0,
             started: vec![0.0; n],
+            sent: vec![0.0; n],
+            outstanding: 0,
+            busy: 0,
             events: BinaryHeap::new(),
             seq: 0,
             next: 0,
@@ -531,9 +570,67 @@ impl<'a> Simulation<'a> {
         self.trace.config.block_size as usize
     }
 
-    /// The engine's wait as it would report it: the time until it has served what it holds.
+    /// The engine's wait as it would report it: the time until it has served what it holds, at
+    /// the speed it runs at now.
     fn wait(&self, e: &Engine) -> f64 {
-        (e.free_at - self.now).max(0.0)
+        (e.free_at - self.now).max(0.0) / self.speed()
+    }
+
+    /// The share of its full speed a busy engine runs at: 1, or with shared compute the units
+    /// over the busy engines.
+    fn speed(&self) -> f64 {
+        match self.trace.config.cores {
+            Some(units) if self.busy > units => units as f64 / self.busy as f64,
+            _ => 1.0,
+        }
+    }
+
+    /// Brings every busy engine's phase up to now at the old speed, then, after the number of
+    /// busy engines changed by `delta`, reschedules each phase's end at the new speed.
+    fn set_busy(&mut self, delta: isize) {
+        let old = self.speed();
+        self.busy = self.busy.saturating_add_signed(delta);
+        let new = self.speed();
+        if old == new {
+            return;
+        }
+        let now = self.now;
+        let mut reschedule = Vec::new();
+        for e in &mut self.engines {
+            if let Some(p) = &mut e.phase {
+                p.left = (p.left - (now - p.since) * old).max(0.0);
+                p.since = now;
+                p.generation += 1;
+                reschedule.push((e.slot, *p));
+            }
+        }
+        for (slot, p) in reschedule {
+            self.schedule_phase(slot, p, new);
+        }
+    }
+
+    /// Schedules the end of engine `slot`'s phase `p` at `speed`.
+    fn schedule_phase(&mut self, slot: usize, p: Phase, speed: f64) {
+        let at = self.now + p.left / speed;
+        let event = if p.decoding {
+            Event::Done(slot, p.generation)
+        } else {
+            Event::PrefillDone(slot, p.generation)
+        };
+        self.schedule(at, event);
+    }
+
+    /// Starts a phase of `work` seconds (at full speed) on engine `slot`.
+    fn begin_phase(&mut self, slot: usize, decoding: bool, work: f64) {
+        let generation = self.engines[slot].phase.map_or(0, |p| p.generation + 1);
+        let p = Phase {
+            decoding,
+            left: work,
+            since: self.now,
+            generation,
+        };
+        self.engines[slot].phase = Some(p);
+        self.schedule_phase(slot, p, self.speed());
     }
 
     fn schedule(&mut self, at: f64, event: Event) {
@@ -548,7 +645,11 @@ impl<'a> Simulation<'a> {
         let i = self.next;
         self.next += 1;
         let r = &trace.requests[i];
-        self.now = r.at;
+        if trace.config.clients.is_none() {
+            self.now = r.at;
+        }
+        self.sent[i] = self.now;
+        self.outstanding += 1;
         let t0 = Instant::now();
         let (slot, matched) = self.choose(r);
         self.decision_ns += t0.elapsed().as_nanos();
@@ -577,6 +678,13 @@ impl<'a> Simulation<'a> {
             SimPolicy::Router(_) => {
                 let m = self.index.longest_tier_matches(&r.hashes, self.mask);
                 let load = self.trace.config.host_load_secs_per_block;
+                let speed = self.speed();
+                let fleet_inflight: u64 = self
+                    .engines
+                    .iter()
+                    .map(|e| (e.queue.len() + usize::from(e.current.is_some())) as u64)
+                    .sum();
+                let shared = self.trace.config.cores.is_some();
                 let candidates: Vec<Candidate> = self
                     .engines
                     .iter()
@@ -584,10 +692,19 @@ impl<'a> Simulation<'a> {
                         slot: e.slot,
                         id: e.id,
                         matched_blocks: m[e.slot].blocks,
+                        // The simulated engines do not fetch from peers.
+                        peer_blocks: 0,
                         inflight: (e.queue.len() + usize::from(e.current.is_some())) as u64,
+                        // With shared compute, every engine's requests share it.
+                        compute_inflight: if shared {
+                            fleet_inflight
+                        } else {
+                            (e.queue.len() + usize::from(e.current.is_some())) as u64
+                        },
                         // As the gateway does: a host-tier match costs its load.
                         wait_secs: self.wait(e) + f64::from(m[e.slot].host) * load,
-                        secs_per_token: 1.0 / self.trace.config.prefill_tps,
+                        // What the engine measures: its speed as it runs now.
+                        secs_per_token: 1.0 / self.trace.config.prefill_tps / speed,
                         // One request at a time: any other in flight queues.
                         max_seqs: 1,
                     })
@@ -660,7 +777,8 @@ impl<'a> Simulation<'a> {
         e.current = Some(i);
         e.computed_tokens += (computed + r.output_tokens as usize) as u64;
         e.busy_s += prefill + f64::from(r.output_tokens) / cfg.decode_tps;
-        self.schedule(self.now + prefill, Event::PrefillDone(slot));
+        self.set_busy(1);
+        self.begin_phase(slot, false, prefill);
     }
 
     fn next_event(&mut self) {
@@ -668,13 +786,23 @@ impl<'a> Simulation<'a> {
             return;
         };
         self.now = t;
+        let current = |slot: usize, generation| {
+            self.engines[slot]
+                .phase
+                .is_some_and(|p| p.generation == generation)
+        };
         match event {
-            Event::PrefillDone(slot) => self.prefill_done(slot),
-            Event::Done(slot) => {
+            Event::PrefillDone(slot, g) if current(slot, g) => self.prefill_done(slot),
+            Event::Done(slot, g) if current(slot, g) => {
                 let e = &mut self.engines[slot];
                 e.current = None;
+                e.phase = None;
+                self.outstanding -= 1;
+                self.set_busy(-1);
                 self.start(slot);
             }
+            // Rescheduled after a change of speed.
+            _ => {}
         }
     }
 
@@ -688,8 +816,8 @@ impl<'a> Simulation<'a> {
         };
         let r = &trace.requests[i];
         let cached = self.cached_blocks[i];
-        self.ttft.push(self.now - r.at);
-        self.queue_s += self.started[i] - r.at;
+        self.ttft.push(self.now - self.sent[i]);
+        self.queue_s += self.started[i] - self.sent[i];
         self.hit_tokens += (cached * b) as u64;
         self.host_hit_tokens += (self.host_blocks[i] * b) as u64;
         self.prompt_tokens += u64::from(r.prompt_tokens);
@@ -757,8 +885,11 @@ impl<'a> Simulation<'a> {
                 );
             }
         }
-        let done_at = self.now + f64::from(r.output_tokens) / trace.config.decode_tps;
-        self.schedule(done_at, Event::Done(slot));
+        self.begin_phase(
+            slot,
+            true,
+            f64::from(r.output_tokens) / trace.config.decode_tps,
+        );
     }
 
     fn result(mut self) -> PolicyResult {
@@ -784,6 +915,7 @@ impl<'a> Simulation<'a> {
             mean_ttft_ms: self.ttft.iter().sum::<f64>() / served * 1e3,
             p99_ttft_ms: percentile(&self.ttft, 0.99) * 1e3,
             mean_queue_ms: self.queue_s / served * 1e3,
+            requests_per_s: n as f64 / makespan,
             decision_us: self.decision_ns as f64 / n.max(1) as f64 / 1e3,
             per_engine_requests,
             per_engine_tokens,
@@ -1140,6 +1272,33 @@ mod tests {
                 b.hit_rate
             );
         }
+    }
+
+    #[test]
+    fn a_closed_loop_sends_every_request_once_and_shared_compute_runs_slower() {
+        let mut cfg = small(Some(1 << 20));
+        cfg.clients = Some(4);
+        let trace = Trace::generate(&cfg);
+        let own = run(&trace, SimPolicy::Router(Policy::RoundRobin), true);
+        assert_eq!(own.per_engine_requests.iter().sum::<u64>(), 600);
+        // Four clients never have more than four requests anywhere: nothing queues behind a
+        // busy engine for long, whatever the arrival times said.
+        assert!(own.mean_queue_ms < own.mean_ttft_ms);
+        // The same work on engines that share one compute unit takes longer: each request is
+        // served at a fraction of the speed while others run.
+        cfg.cores = Some(1);
+        let shared = run(
+            &Trace::generate(&cfg),
+            SimPolicy::Router(Policy::RoundRobin),
+            true,
+        );
+        assert_eq!(shared.per_engine_requests.iter().sum::<u64>(), 600);
+        assert!(
+            shared.requests_per_s < 0.7 * own.requests_per_s,
+            "{} against {}",
+            shared.requests_per_s,
+            own.requests_per_s
+        );
     }
 
     #[test]

@@ -60,9 +60,43 @@ pub struct SimArgs {
     /// Milliseconds to bring one block back from the host tier.
     #[arg(long, default_value_t = 0.2)]
     host_load_ms_per_block: f64,
+    /// Closed loop: this many clients, each sending its next request when its last one is
+    /// answered (as `scripts/bench-routing` does), instead of Poisson arrivals.
+    #[arg(long)]
+    sim_clients: Option<usize>,
+    /// Compute units the simulated engines share (engines on one machine's cores: with more
+    /// busy than units, each runs slower); default: each engine its own.
+    #[arg(long)]
+    sim_cores: Option<usize>,
+    /// Tokens of each tenant's system prompt: N or MIN-MAX (uniform).
+    #[arg(long, value_parser = token_range, default_value = "200-2000")]
+    sim_system_tokens: (usize, usize),
+    /// Tokens of each request's own part: N or MIN-MAX.
+    #[arg(long, value_parser = token_range, default_value = "20-200")]
+    sim_user_tokens: (usize, usize),
+    /// Output tokens of each request: N or MIN-MAX.
+    #[arg(long, value_parser = token_range, default_value = "50-300")]
+    sim_output_tokens: (usize, usize),
     /// Tokenizer for the decision-time loop (tokenizer.json, tokenizer_config.json).
     #[arg(long, default_value = "target/kvgate-test-assets/smollm2-f32")]
     tokenizer_dir: PathBuf,
+}
+
+/// `N` or `MIN-MAX`, as an inclusive range.
+fn token_range(s: &str) -> Result<(usize, usize), String> {
+    let parse = |v: &str| {
+        v.trim()
+            .parse::<usize>()
+            .map_err(|_| format!("{v:?} is not a number of tokens"))
+    };
+    let (lo, hi) = match s.split_once('-') {
+        Some((a, b)) => (parse(a)?, parse(b)?),
+        None => (parse(s)?, parse(s)?),
+    };
+    if lo > hi {
+        return Err(format!("{lo} is above {hi}"));
+    }
+    Ok((lo, hi))
 }
 
 /// The routing targets kvgate holds itself to.
@@ -97,6 +131,11 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
         decode_tps: args.decode_tps,
         host_blocks: 0,
         host_load_secs_per_block: args.host_load_ms_per_block / 1e3,
+        clients: args.sim_clients,
+        cores: args.sim_cores,
+        system_tokens: args.sim_system_tokens,
+        user_tokens: args.sim_user_tokens,
+        output_tokens: args.sim_output_tokens,
         ..SimConfig::default()
     };
     if let Some(f) = args.load_factor {
@@ -110,6 +149,12 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
     }
     if config.load_factor < 1.0 {
         bail!("--load-factor must be >= 1");
+    }
+    if config.clients == Some(0) || config.cores == Some(0) {
+        bail!("--sim-clients and --sim-cores must be positive");
+    }
+    if config.system_tokens.1 == 0 {
+        bail!("--sim-system-tokens must be positive");
     }
     let policies = args
         .policies
@@ -188,12 +233,17 @@ fn table(trace: &Trace, results: &[PolicyResult], timing: Option<&DecisionTiming
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "routing simulation: {} engines, {} tenants (Zipf s={}), {} requests at {:.1}/s (Poisson), seed {}",
+        "routing simulation: {} engines{}, {} tenants (Zipf s={}), {} requests {}, seed {}",
         c.engines,
+        c.cores
+            .map_or(String::new(), |u| format!(" sharing {u} compute units")),
         c.tenants,
         c.zipf_s,
         trace.len(),
-        trace.rate,
+        match c.clients {
+            Some(n) => format!("from {n} clients (closed loop)"),
+            None => format!("at {:.1}/s (Poisson)", trace.rate),
+        },
         c.seed
     );
     let _ = writeln!(
@@ -220,10 +270,11 @@ fn table(trace: &Trace, results: &[PolicyResult], timing: Option<&DecisionTiming
     );
     let _ = writeln!(
         s,
-        "{:<16} {:>7} {:>8} {:>9} {:>9} {:>8} {:>6} {:>8} {:>9} {:>9} {:>9} {:>8}",
+        "{:<16} {:>7} {:>8} {:>7} {:>9} {:>9} {:>8} {:>6} {:>8} {:>9} {:>9} {:>9} {:>8}",
         "policy",
         "hit",
         "/oracle",
+        "req/s",
         "req max/",
         "tok max/",
         "busy",
@@ -236,17 +287,18 @@ fn table(trace: &Trace, results: &[PolicyResult], timing: Option<&DecisionTiming
     );
     let _ = writeln!(
         s,
-        "{:<16} {:>7} {:>8} {:>9} {:>9} {:>8} {:>6} {:>8} {:>9} {:>9} {:>9} {:>8}",
-        "", "rate", "", "mean", "mean", "max/mean", "busy", "ms", "ms", "ms", "ms", "us"
+        "{:<16} {:>7} {:>8} {:>7} {:>9} {:>9} {:>8} {:>6} {:>8} {:>9} {:>9} {:>9} {:>8}",
+        "", "rate", "", "", "mean", "mean", "max/mean", "busy", "ms", "ms", "ms", "ms", "us"
     );
     for r in results {
         let _ = writeln!(
             s,
-            "{:<16} {:>6.1}% {:>8} {:>9.2} {:>9.2} {:>8.2} {:>5.0}% {:>8.1} {:>9.1} {:>9.1} {:>9.1} {:>8.2}",
+            "{:<16} {:>6.1}% {:>8} {:>7.2} {:>9.2} {:>9.2} {:>8.2} {:>5.0}% {:>8.1} {:>9.1} {:>9.1} {:>9.1} {:>8.2}",
             r.policy,
             r.hit_rate * 100.0,
             r.vs_oracle
                 .map_or("-".to_owned(), |v| format!("{:.1}%", v * 100.0)),
+            r.requests_per_s,
             r.requests_max_over_mean,
             r.tokens_max_over_mean,
             r.busy_max_over_mean,

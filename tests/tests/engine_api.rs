@@ -165,6 +165,19 @@ fn status_reports_the_queue_and_the_measured_speed() {
     assert!(load["max_seqs"].as_u64().unwrap() >= 1);
     assert!(load["max_batched_tokens"].as_u64().unwrap() >= 1);
     assert_eq!(load["secs_per_token"], 0.0, "nothing measured yet");
+    // What it computes on: a hash (no host name), the same for a second engine on the same
+    // CPUs of this machine, so that the gateway knows they share compute.
+    let compute = load["compute"].as_str().unwrap().to_owned();
+    assert!(
+        compute.len() == 16 && compute.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{load}"
+    );
+    let twin = Engine::start("");
+    assert_eq!(
+        twin.admin("GET", "/admin/status", "").json()["load"]["compute"],
+        compute.as_str()
+    );
+    drop(twin);
     let addr = e.addr;
     let body = format!(
         r#"{{"model":"{MODEL}","prompt":"Count to fifty: one, two,","max_tokens":60,"temperature":0,"ignore_eos":true}}"#

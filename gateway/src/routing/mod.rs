@@ -6,21 +6,29 @@
 //! `prefix` (the default) scores in time, at each engine's measured seconds per token. An
 //! engine's cost for the request is its wait (the prefill queued ahead, a full batch or cache;
 //! [`LoadReport::wait_secs`]), plus the prefill of the prompt tokens it does not cache, counted
-//! three times: the request waits for it; the requests that queue behind it wait for it; and
-//! its new blocks are cache that other prefixes lose, now or later, to be computed again. The
+//! once for every request that pays for it: the request itself; the cache its new blocks take
+//! (other prefixes lose it, now or later, and are computed again); each request in flight on
+//! that engine, whose steps the prefill lengthens; and each one on every engine that shares its
+//! compute (engines on one machine's cores: moving work between them gains no capacity). The
 //! cheapest engine wins. So a cached prefix keeps its tenant on its engine until that engine's
-//! queue costs more than recomputing the prefix elsewhere does, the fleet's share included: only
-//! then does the tenant spill to a second engine. The engine admits waiting requests by fair queuing across tenants,
-//! so a tenant that floods an engine lengthens its own wait there, not the others': it is the
-//! one that spills. Over that, a bounded-load guarantee for requests that would start cold (no
-//! cached prefix there): an engine whose running batch is full takes none while it has
-//! `load_factor` x its share of the requests in flight (rounded up, plus [`INFLIGHT_SLACK`]).
-//! With no match anywhere the request goes to the tenant's home engine, chosen by rendezvous
-//! hashing of the tenant's system-prompt hash with bounded load (no engine is home to more than
-//! `load_factor` x its share of tenants), unless the home is at its in-flight cap and its extra
-//! wait exceeds the request's own prefill (then the tenant moves to where the request goes): the
-//! tenant's earlier requests, still in prefill there, will have stored the prefix for the later
-//! ones.
+//! queue costs more than recomputing the prefix elsewhere, everyone's share of the recompute
+//! included: a busy fleet gains little from a second copy of a prefix, and an idle engine takes
+//! a tenant over only when the wait it saves is worth the prefill. The engine admits waiting
+//! requests by fair queuing across tenants, so a tenant that floods an engine lengthens its own
+//! wait there, not the others': it is the one that spills. Over that, a bounded-load guarantee
+//! for requests that would start cold (no cached prefix there): an engine whose running batch is
+//! full takes none while it has `load_factor` x its share of the requests in flight (rounded
+//! up, plus [`INFLIGHT_SLACK`]).
+//!
+//! With no match anywhere the request goes to the tenant's home engine: the first engine in
+//! rendezvous order (of the tenant's system-prompt hash) that has had no more than its share of
+//! the recent requests (and is home to at most twice its share of tenants), so that a tenant
+//! that sends a third of the traffic is not given other tenants' homes beside it. The home is
+//! kept while it is busy, as a cached prefix is (the tenant's earlier requests, still in
+//! prefill there, store the prefix for the later ones), unless it is at its in-flight cap and
+//! waiting there costs more than computing the prompt elsewhere: then the tenant moves to where
+//! the request goes.
+//!
 //! `round_robin`, `least_loaded` (the shortest wait) and `consistent_hash` (plain rendezvous, no
 //! load bound) are there for comparison.
 //!
@@ -100,8 +108,15 @@ pub struct Candidate {
     pub id: u64,
     /// Leading blocks of the request this engine caches.
     pub matched_blocks: u32,
+    /// Leading blocks another engine holds in its device pool or host tier, when that is at
+    /// least [`PEER_MIN_GAIN_BLOCKS`] more than `matched_blocks` (else 0): the gateway then
+    /// tells this engine to fetch the difference from that peer instead of computing it.
+    pub peer_blocks: u32,
     /// Requests in flight on it.
     pub inflight: u64,
+    /// Requests in flight on every engine that shares its compute (one machine's cores, one
+    /// device), itself included: at least `inflight`.
+    pub compute_inflight: u64,
     /// Expected seconds before the request's own prefill starts there.
     pub wait_secs: f64,
     /// Its measured seconds per prefill token.
@@ -122,7 +137,7 @@ pub struct Choice {
 #[derive(Debug, Clone, Copy)]
 pub struct RouterConfig {
     pub policy: Policy,
-    /// Bounded load factor (>= 1), on requests in flight and on tenants' homes.
+    /// Bounded load factor (>= 1), on requests in flight.
     pub load_factor: f64,
     /// Tokens per block.
     pub block_size: u32,
@@ -130,9 +145,22 @@ pub struct RouterConfig {
     pub prior_secs_per_token: f64,
 }
 
-/// How many times the cost counts a prompt token an engine does not cache (see
-/// `Router::cost`).
-const UNCACHED_WEIGHT: usize = 3;
+/// How many times the cost counts a prompt token an engine does not cache, before the requests
+/// in flight there (see `Router::cost`): the request's own wait for it, and the cache its
+/// blocks take.
+const UNCACHED_WEIGHT: f64 = 2.0;
+
+/// The recent requests the homes' balance looks at: each decision weighs the past ones by
+/// `1 - 1 / TRAFFIC_WINDOW`.
+const TRAFFIC_WINDOW: f64 = 64.0;
+
+/// A peer must hold at least this many blocks more than the chosen engine for the gateway to
+/// name it (`x-kvgate-prefix-peer`).
+pub const PEER_MIN_GAIN_BLOCKS: u32 = 4;
+
+/// Most blocks a peer fetch is counted for (an engine with the staging host tier fetches at
+/// most half of its 256 blocks; the rest it computes).
+const MAX_PEER_FETCH_BLOCKS: u32 = 128;
 
 /// Requests an engine may have in flight beyond `load_factor` x the mean: with a handful in
 /// flight, a share of the mean alone is too small a number to bound anything but cache reuse.
@@ -142,12 +170,24 @@ pub const INFLIGHT_SLACK: u64 = 2;
 /// way, so forgetting only loses balance history).
 const MAX_HOMES: usize = 1 << 16;
 
-/// The policy and the little state it keeps: the round-robin cursor and tenants' home engines.
+/// Most tenants an engine is home to, as a multiple of its share: the backstop behind balancing
+/// homes by traffic.
+const HOME_SPREAD: f64 = 2.0;
+
+/// Engines whose recent traffic is remembered beyond the current candidates (engines that left
+/// keep their entry until the table starts over).
+const MAX_ENGINES_REMEMBERED: usize = 256;
+
+/// The policy and the little state it keeps: the round-robin cursor, tenants' home engines
+/// and the recent requests each engine was given.
 #[derive(Debug)]
 pub struct Router {
     config: RouterConfig,
     next: AtomicUsize,
     homes: Mutex<HashMap<u128, u64>>,
+    /// Engine id -> requests routed to it, each weighed down by every later decision (see
+    /// [`TRAFFIC_WINDOW`]).
+    traffic: Mutex<HashMap<u64, f64>>,
 }
 
 impl Router {
@@ -156,6 +196,7 @@ impl Router {
             config,
             next: AtomicUsize::new(0),
             homes: Mutex::new(HashMap::new()),
+            traffic: Mutex::new(HashMap::new()),
         }
     }
 
@@ -193,17 +234,53 @@ impl Router {
                     .unwrap_or(&candidates[0]);
                 pick(best, Reason::ConsistentHash)
             }
-            Policy::Prefix => return Some(self.prefix(affinity, prompt_tokens, candidates)),
+            Policy::Prefix => {
+                let choice = self.prefix(affinity, prompt_tokens, candidates);
+                if let Some(c) = candidates.iter().find(|c| c.slot == choice.slot) {
+                    self.record(c.id, candidates);
+                }
+                return Some(choice);
+            }
         })
     }
 
     /// What sending a request of `prompt_tokens` tokens to `c` costs, in seconds: its wait, and
-    /// the prefill of the tokens it does not cache, counted three times: the request waits for
-    /// it; the requests queued behind it wait for it; and its new blocks are cache that other
-    /// prefixes lose (now, when the pool is full, or later), to be computed again.
+    /// the prefill of the tokens it does not cache, counted once for each request that pays for
+    /// it: the request itself waits for it; its new blocks are cache that other prefixes lose
+    /// (now, when the pool is full, or later), to be computed again; and every request in
+    /// flight on `c`, or on an engine that shares its compute, has its steps lengthened by it
+    /// (a continuous batch computes the prefill in the same steps as their decodes).
+    ///
+    /// Blocks a peer can send ([`Candidate::peer_blocks`]) are not computed: they cost their
+    /// transfer, which the request waits for, and the cache they take.
     fn cost(&self, c: &Candidate, prompt_tokens: usize) -> f64 {
+        let block = self.config.block_size as usize;
+        let fetched =
+            (c.peer_blocks.saturating_sub(c.matched_blocks)).min(MAX_PEER_FETCH_BLOCKS) as usize;
         let uncached = self.uncached(c, prompt_tokens);
-        c.wait_secs + (UNCACHED_WEIGHT * uncached) as f64 * c.secs_per_token
+        let fetched_tokens = (fetched * block).min(uncached);
+        let computed = (uncached - fetched_tokens) as f64;
+        let payers = UNCACHED_WEIGHT + c.inflight.max(c.compute_inflight) as f64;
+        let fetch = fetched_tokens.div_ceil(block.max(1)) as f64
+            * kvgate_protocol::load::PRIOR_PEER_LOAD_SECS_PER_BLOCK
+            + fetched_tokens as f64 * c.secs_per_token;
+        c.wait_secs + fetch + computed * c.secs_per_token * payers
+    }
+
+    /// Counts a request routed to engine `id` in the recent traffic of `candidates`' engines.
+    fn record(&self, id: u64, candidates: &[Candidate]) {
+        let mut traffic = self.traffic.lock().unwrap_or_else(|p| p.into_inner());
+        if traffic.len() > candidates.len().max(MAX_ENGINES_REMEMBERED) {
+            traffic.clear();
+        }
+        let keep = 1.0 - 1.0 / TRAFFIC_WINDOW;
+        for c in candidates {
+            let t = traffic.entry(c.id).or_insert(0.0);
+            *t *= keep;
+            if c.id == id {
+                *t += 1.0;
+            }
+        }
     }
 
     fn uncached(&self, c: &Candidate, prompt_tokens: usize) -> usize {
@@ -257,18 +334,13 @@ impl Router {
             // its engines are at their in-flight cap): the tenant spills.
             return choice(best, Reason::LeastLoaded);
         }
-        // Cached nowhere: the tenant's home (the tenant's earlier requests, still in prefill
-        // there, store the prefix for its later ones), unless it is at its in-flight cap and
-        // its extra wait exceeds the prefill the request costs anyway.
+        // Cached nowhere: the tenant's home. Its earlier requests, still in prefill there,
+        // store the prefix for its later ones, so the home is priced as a cached prefix is,
+        // by its wait, unless it is at its in-flight cap and that wait costs more than
+        // computing the prompt on the cheapest engine.
         let home = self.home(affinity, candidates);
         match candidates.iter().find(|c| c.id == home) {
-            Some(c)
-                if allowed(&c)
-                    || c.wait_secs - best.wait_secs
-                        <= self.uncached(c, prompt_tokens) as f64 * c.secs_per_token =>
-            {
-                choice(c, Reason::Affinity)
-            }
+            Some(c) if allowed(&c) || c.wait_secs <= cost(best) => choice(c, Reason::Affinity),
             _ => {
                 // The prefix will live where this request computes it: the tenant's next cold
                 // requests (this one may still be in prefill) follow it there.
@@ -279,8 +351,18 @@ impl Router {
     }
 
     /// The tenant's home engine: remembered while it is a candidate; otherwise the first engine
-    /// in rendezvous order that is home to fewer than `load_factor` x its share of tenants.
+    /// in rendezvous order that was given no more than its share of the recent requests and is
+    /// home to fewer than [`HOME_SPREAD`] x its share of tenants (else the first that is home to
+    /// fewer than that many).
     fn home(&self, affinity: u128, candidates: &[Candidate]) -> u64 {
+        let traffic: HashMap<u64, f64> = {
+            let t = self.traffic.lock().unwrap_or_else(|p| p.into_inner());
+            candidates
+                .iter()
+                .map(|c| (c.id, t.get(&c.id).copied().unwrap_or(0.0)))
+                .collect()
+        };
+        let fair_traffic = traffic.values().sum::<f64>() / candidates.len() as f64;
         let mut homes = self.homes.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(&id) = homes.get(&affinity) {
             if candidates.iter().any(|c| c.id == id) {
@@ -298,15 +380,18 @@ impl Router {
                 placed += 1;
             }
         }
-        // At most the fair share (rounded up) plus (load_factor - 1) x the share (rounded down).
+        // Homes are balanced by the traffic they bring (a new tenant goes where the recent
+        // requests were fewest, in its rendezvous order), so a tenant that sends a third of the
+        // requests is home to fewer others; the count of tenants is a backstop: at most
+        // HOME_SPREAD x the fair share (rounded up).
         let share = (placed + 1) as f64 / candidates.len() as f64;
-        let cap =
-            share.ceil() as usize + ((self.config.load_factor - 1.0) * share).floor() as usize;
+        let cap = (HOME_SPREAD * share).ceil() as usize;
         let mut order: Vec<&Candidate> = candidates.iter().collect();
         order.sort_by_key(|c| std::cmp::Reverse(rendezvous(affinity, c.id)));
         let id = order
             .iter()
-            .find(|c| count[&c.id] < cap)
+            .find(|c| count[&c.id] < cap && traffic[&c.id] <= fair_traffic + 1e-9)
+            .or_else(|| order.iter().find(|c| count[&c.id] < cap))
             .unwrap_or(&order[0])
             .id;
         homes.insert(affinity, id);
@@ -378,7 +463,9 @@ mod tests {
                 slot: i,
                 id: engine_id(&format!("e{i}")),
                 matched_blocks: matched[i],
+                peer_blocks: 0,
                 inflight: inflight[i],
+                compute_inflight: inflight[i],
                 wait_secs: wait[i],
                 secs_per_token: SPT,
                 max_seqs: 0,
@@ -414,16 +501,45 @@ mod tests {
     #[test]
     fn a_tenant_spills_when_the_queue_costs_more_than_the_prefill_saved() {
         let r = router(Policy::Prefix);
-        // 0.5 s of queue against 0.256 s saved, counted three times (the request's wait, the
-        // work it adds, the cache its copy takes): it stays.
+        // Engine 1 caches 256 of the 270 tokens and has 0.4 s of queue; engine 0 is idle.
+        // Recomputing there costs the request's prefill (0.27 s) and the cache it takes
+        // (0.27 s): 0.54 s against 0.442 s of waiting. It stays.
         let c = r
-            .choose(1, 270, &cands(&[0, 16, 0], &[0.0, 0.5, 0.01], &[0, 1, 0]))
+            .choose(1, 270, &cands(&[0, 16, 0], &[0.0, 0.4, 0.01], &[0, 1, 0]))
             .unwrap();
         assert_eq!((c.slot, c.reason), (1, Reason::Prefix));
-        // 0.8 s of queue: computing it on an idle engine is cheaper (0.81 s against 0.842 s).
+        // 0.6 s of queue: computing it on the idle engine is cheaper (0.54 s against 0.642 s).
         let c = r
-            .choose(1, 270, &cands(&[0, 16, 0], &[0.0, 0.8, 0.01], &[0, 1, 0]))
+            .choose(1, 270, &cands(&[0, 16, 0], &[0.0, 0.6, 0.01], &[0, 1, 0]))
             .unwrap();
+        assert_eq!(
+            (c.slot, c.reason, c.matched_blocks),
+            (0, Reason::LeastLoaded, 0)
+        );
+        // In a busy fleet the same queue is kept: the other engines have three requests in
+        // flight each, and the prefill would lengthen their steps too (1.45 s against 0.642 s).
+        let busy = cands(&[0, 16, 0], &[0.1, 0.6, 0.1], &[3, 1, 3]);
+        assert_eq!(r.choose(1, 270, &busy).unwrap().slot, 1);
+        // Until the wait outgrows even that: 2 s of queue.
+        let mut long = busy.clone();
+        long[1].wait_secs = 2.0;
+        let c = r.choose(1, 270, &long).unwrap();
+        assert_eq!((c.slot, c.reason), (0, Reason::LeastLoaded));
+        // Engines that share their compute (one machine's cores) gain nothing from the spill:
+        // the idle engine's prefill slows the busy ones' requests as much as its own.
+        let mut shared = cands(&[0, 16, 0], &[0.0, 0.6, 0.01], &[0, 1, 0]);
+        for c in &mut shared {
+            c.compute_inflight = 6;
+        }
+        assert_eq!(r.choose(1, 270, &shared).unwrap().slot, 1);
+        // A peer copy makes the spill a transfer: engine 0 (two in flight) can fetch the 16
+        // blocks from engine 1 (0.288 s with their cache share) and compute 14 tokens (0.056 s),
+        // against 0.542 s of waiting. Without it, recomputing there (1.08 s) is dearer.
+        let mut fetch = cands(&[0, 16, 0], &[0.0, 0.5, 0.0], &[2, 1, 2]);
+        assert_eq!(r.choose(1, 270, &fetch).unwrap().slot, 1);
+        fetch[0].peer_blocks = 16;
+        fetch[2].peer_blocks = 16;
+        let c = r.choose(1, 270, &fetch).unwrap();
         assert_eq!(
             (c.slot, c.reason, c.matched_blocks),
             (0, Reason::LeastLoaded, 0)
@@ -434,15 +550,14 @@ mod tests {
             .unwrap();
         assert_eq!((c.slot, c.reason), (0, Reason::Prefix));
         // The bounded load holds where a request would go without a cached prefix: engine 0 is
-        // at its cap of in-flight requests (1.25 x 9 / 3, rounded up, plus two: 6), so the
-        // spill goes to engine 2.
-        let c = r
-            .choose(1, 270, &cands(&[0, 16, 0], &[0.0, 0.9, 0.0], &[6, 1, 1]))
-            .unwrap();
+        // at its cap of in-flight requests (1.25 x 15 / 3, rounded up, plus two: 9), so the
+        // spill goes to engine 2 although engine 0 would be cheaper.
+        let capped = cands(&[0, 16, 0], &[0.0, 5.0, 4.0], &[12, 1, 1]);
+        let c = r.choose(1, 270, &capped).unwrap();
         assert_eq!((c.slot, c.reason), (2, Reason::LeastLoaded));
-        // With room in its batch (8 sequences), engine 0 is not held to the cap.
-        let mut roomy = cands(&[0, 16, 0], &[0.0, 0.9, 0.0], &[6, 1, 1]);
-        roomy[0].max_seqs = 8;
+        // With room in its batch (16 sequences), engine 0 is not held to the cap.
+        let mut roomy = capped.clone();
+        roomy[0].max_seqs = 16;
         assert_eq!(r.choose(1, 270, &roomy).unwrap().slot, 0);
         // An engine that caches the prefix is priced by its queue, not held to the cap: one
         // tenant's flood lengthens its own wait there (fair queuing), and it spills by cost.
@@ -450,6 +565,37 @@ mod tests {
             .choose(1, 270, &cands(&[0, 16, 0], &[0.0, 0.0, 0.0], &[1, 6, 1]))
             .unwrap();
         assert_eq!((c.slot, c.reason), (1, Reason::Prefix));
+    }
+
+    #[test]
+    fn a_tenant_that_sends_most_requests_gets_fewer_neighbours() {
+        let r = router(Policy::Prefix);
+        let c = cands(&[0, 0, 0], &[0.0, 0.0, 0.0], &[0, 0, 0]);
+        let hot = r.choose(1, 300, &c).unwrap().slot;
+        let mut homes = [0usize; 3];
+        homes[hot] += 1;
+        for tenant in 2..10u128 {
+            // The hot tenant sends ten requests for each one of the others.
+            for _ in 0..10 {
+                assert_eq!(r.choose(1, 300, &c).unwrap().slot, hot);
+            }
+            homes[r.choose(tenant * 7919, 300, &c).unwrap().slot] += 1;
+        }
+        // Nine tenants: the hot one's engine is home to the fewest, and to more only once the
+        // others reach their bound (1.25 x their share).
+        let others: Vec<usize> = (0..3).filter(|&s| s != hot).map(|s| homes[s]).collect();
+        assert!(
+            others.iter().all(|&n| homes[hot] < n),
+            "{homes:?}, hot {hot}"
+        );
+        // Without that traffic the same tenants spread by count alone.
+        let even = router(Policy::Prefix);
+        let mut count = [0usize; 3];
+        for tenant in std::iter::once(1).chain(2..10u128) {
+            let t = if tenant == 1 { 1 } else { tenant * 7919 };
+            count[even.choose(t, 300, &c).unwrap().slot] += 1;
+        }
+        assert_eq!(count, [3, 3, 3]);
     }
 
     #[test]
@@ -480,7 +626,8 @@ mod tests {
         // The tenant now lives where that request went: its next cold request follows it.
         busy[home].inflight = 0;
         assert_eq!(r.choose(0, 300, &busy).unwrap().slot, other.slot);
-        // A home at its cap with a queue shorter than the request's own prefill (0.3 s) is kept.
+        // A home at its cap with a queue shorter than computing the prompt elsewhere (0.6 s: its
+        // prefill, for the request and for the cache it takes) is kept.
         let t = 3 * 7919;
         let home = r.choose(t, 300, &c).unwrap().slot;
         let mut capped = c.clone();

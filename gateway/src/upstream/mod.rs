@@ -127,6 +127,11 @@ impl Engine {
             && self.open_until_ms.load(Ordering::Relaxed) <= now_ms
     }
 
+    /// May send a prefix to another engine: up and its circuit closed (draining or not).
+    pub fn can_be_peer(&self, now_ms: u64) -> bool {
+        self.up.load(Ordering::SeqCst) && !self.circuit_open(now_ms)
+    }
+
     /// Whether its circuit is open (out of routing after repeated faults) at `now_ms`.
     pub fn circuit_open(&self, now_ms: u64) -> bool {
         self.open_until_ms.load(Ordering::Relaxed) > now_ms
@@ -197,15 +202,21 @@ impl Engine {
             slot: self.slot,
             id: self.id,
             matched_blocks,
-            inflight: self
-                .inflight
-                .load(Ordering::Relaxed)
-                .saturating_add(self.others_inflight.load(Ordering::Relaxed)),
+            peer_blocks: 0,
+            inflight: self.total_inflight(),
+            compute_inflight: 0,
             wait_secs: report.wait_now(age.unwrap_or(0.0), ask, req.prior_secs_per_token)
                 + report.tier_load_secs(matched.host, matched.disk),
             secs_per_token: report.secs_per_token(req.prior_secs_per_token),
             max_seqs: report.max_seqs,
         }
+    }
+
+    /// Requests in flight on it: this gateway's now, and other gateways' at the last report.
+    fn total_inflight(&self) -> u64 {
+        self.inflight
+            .load(Ordering::Relaxed)
+            .saturating_add(self.others_inflight.load(Ordering::Relaxed))
     }
 
     pub fn stopped(&self) -> watch::Receiver<bool> {
@@ -283,17 +294,35 @@ impl Registry {
         exclude: u64,
         now_ms: u64,
     ) -> (Vec<Candidate>, Vec<Arc<Engine>>) {
-        let engines: Vec<Arc<Engine>> = self
-            .all()
-            .into_iter()
+        let all = self.all();
+        let engines: Vec<Arc<Engine>> = all
+            .iter()
             .filter(|e| exclude & (1 << e.slot) == 0 && e.routable(now_ms))
+            .cloned()
             .collect();
         let mask = engines.iter().fold(0u64, |m, e| m | (1 << e.slot));
+        let everyone: Vec<(Arc<LoadReport>, u64)> = all
+            .iter()
+            .map(|e| (e.report().0, e.total_inflight()))
+            .collect();
+        // Engines a candidate may count on to send it the prefix: those `best_peer` picks from
+        // (a draining one included: its cache is still good) whose current step ends well
+        // within a fetch's deadline (a fetch waits for it; from an engine deep in a long
+        // prefill it would come back partial or time out, and the rest be computed).
+        let peers = all
+            .iter()
+            .zip(&everyone)
+            .filter(|(e, (r, _))| {
+                exclude & (1 << e.slot) == 0
+                    && e.can_be_peer(now_ms)
+                    && r.step_now_secs(req.prior_secs_per_token) <= PEER_STEP_LIMIT_SECS
+            })
+            .fold(0u64, |m, (e, _)| m | (1 << e.slot));
         let matched = self
             .index
             .read()
             .unwrap_or_else(|p| p.into_inner())
-            .longest_tier_matches(req.hashes, mask);
+            .longest_tier_matches(req.hashes, mask | peers);
         let reports: Vec<Report> = engines.iter().map(|e| e.report()).collect();
         // An engine that has not measured its speed yet is taken to be as fast as the median of
         // those that have (the configured prior only when none has).
@@ -310,17 +339,43 @@ impl Registry {
                 .unwrap_or(req.prior_secs_per_token),
             ..*req
         };
-        let candidates = engines
+        let mut candidates: Vec<Candidate> = engines
             .iter()
             .zip(&reports)
             .map(|(e, r)| e.candidate(r, matched[e.slot], &req))
             .collect();
+        for c in &mut candidates {
+            let best = (0..MAX_ENGINES)
+                .filter(|&s| s != c.slot && peers & (1 << s) != 0)
+                .map(|s| matched[s].fast)
+                .max()
+                .unwrap_or(0);
+            if best >= c.matched_blocks + PEER_MIN_GAIN_BLOCKS {
+                c.peer_blocks = best;
+            }
+        }
+        // Engines that report the same compute share it: each one's count is all of theirs
+        // (every engine's, routable or not: a draining one still computes).
+        for (c, (r, _)) in candidates.iter_mut().zip(&reports) {
+            c.compute_inflight = if r.compute.is_empty() {
+                c.inflight
+            } else {
+                everyone
+                    .iter()
+                    .filter(|(other, _)| other.compute == r.compute)
+                    .fold(0u64, |sum, (_, n)| sum.saturating_add(*n))
+                    .max(c.inflight)
+            };
+        }
         (candidates, engines)
     }
 }
 
-/// A peer must hold at least this many blocks more than the chosen engine for a hint.
-pub const PEER_MIN_GAIN_BLOCKS: u32 = 4;
+pub use crate::routing::PEER_MIN_GAIN_BLOCKS;
+
+/// A holder whose current step takes longer than this is not counted on as a peer: an
+/// engine's fetch gives up after 1 s (plus 5 ms a block).
+const PEER_STEP_LIMIT_SECS: f64 = 0.5;
 
 impl Registry {
     /// The engine other than `chosen` (and those in `exclude`, which failed this request) that
@@ -337,12 +392,7 @@ impl Registry {
         let engines: Vec<Arc<Engine>> = self
             .all()
             .into_iter()
-            .filter(|e| {
-                e.slot != chosen
-                    && exclude & (1 << e.slot) == 0
-                    && e.up.load(Ordering::SeqCst)
-                    && !e.circuit_open(now_ms)
-            })
+            .filter(|e| e.slot != chosen && exclude & (1 << e.slot) == 0 && e.can_be_peer(now_ms))
             .collect();
         let mask = engines.iter().fold(0u64, |m, e| m | (1 << e.slot));
         if mask == 0 {
@@ -478,6 +528,90 @@ mod tests {
         let c = candidates(&registry, &hashes, "t");
         assert!(c.iter().all(|c| c.slot != engines[1].slot));
         assert_ne!(choose().slot, engines[1].slot);
+    }
+
+    #[test]
+    fn engines_that_share_their_compute_are_counted_together() {
+        let (registry, engines, hashes) = fleet(3, &[0]);
+        let report = |compute: &str| LoadReport {
+            max_seqs: 8,
+            max_batched_tokens: 4096,
+            available_blocks: 1000,
+            free_blocks: 1000,
+            secs_per_token: 0.001,
+            compute: compute.to_owned(),
+            ..LoadReport::default()
+        };
+        // Engine 0 caches the prefix and has 1 s of queue; 1 and 2 are idle, with 3 and 2 of
+        // this gateway's requests still in flight on 0 and 2.
+        engines[0].set_report(Some(LoadReport {
+            pending_prefill_tokens: 1000,
+            running_prefill_tokens: 1000,
+            ..report("a")
+        }));
+        engines[1].set_report(Some(report("b")));
+        engines[2].set_report(Some(report("c")));
+        engines[0].inflight.store(3, Ordering::Relaxed);
+        engines[2].inflight.store(2, Ordering::Relaxed);
+        let router = Router::new(config());
+        let choose = || {
+            let c = candidates(&registry, &hashes, "t");
+            (router.choose(7, 270, &c).unwrap().slot, c)
+        };
+        // Each on its own compute: recomputing on the idle engine 1 (0.54 s) beats waiting
+        // 1 s for the cached prefix.
+        let (slot, c) = choose();
+        assert_eq!(slot, engines[1].slot);
+        assert_eq!(
+            c.iter().map(|c| c.compute_inflight).collect::<Vec<_>>(),
+            [3, 0, 2]
+        );
+        // On one machine's cores, each counts the requests of all three.
+        for e in &engines[1..] {
+            e.set_report(Some(report("a")));
+        }
+        engines[0].set_report(Some(LoadReport {
+            pending_prefill_tokens: 1000,
+            running_prefill_tokens: 1000,
+            ..report("a")
+        }));
+        let (slot, c) = choose();
+        assert!(c.iter().all(|c| c.compute_inflight == 5), "{c:?}");
+        // Engine 1's prefill would slow every request of the three, and engine 0, 1 s into a
+        // step, cannot be counted on to send the blocks in time: the tenant stays.
+        assert_eq!((slot, c[1].peer_blocks), (engines[0].slot, 0), "{c:?}");
+        // With engine 0's queue made of short steps (0.3 s of prefill pending, 0.9 s of
+        // waiting), engine 1 fetches the 16 blocks (0.29 s) instead: a transfer costs the
+        // shared compute nothing.
+        engines[0].set_report(Some(LoadReport {
+            pending_prefill_tokens: 300,
+            running_prefill_tokens: 300,
+            next_finish_secs: 0.6,
+            running: 8,
+            ..report("a")
+        }));
+        let (slot, c) = choose();
+        assert_eq!((slot, c[1].peer_blocks), (engines[1].slot, 16), "{c:?}");
+    }
+
+    #[test]
+    fn candidates_know_what_a_peer_could_send_them() {
+        let (registry, engines, hashes) = fleet(3, &[0]);
+        let peers = |c: &[Candidate]| c.iter().map(|c| c.peer_blocks).collect::<Vec<_>>();
+        // Engine 0 holds the 16 blocks: the others could fetch them, engine 0 needs nothing.
+        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 16, 16]);
+        // Draining, engine 0 takes nothing new but still sends what it holds.
+        engines[0].draining.store(true, Ordering::SeqCst);
+        let c = candidates(&registry, &hashes, "t");
+        assert_eq!(
+            (c.iter().map(|c| c.slot).collect::<Vec<_>>(), peers(&c)),
+            (vec![engines[1].slot, engines[2].slot], vec![16, 16])
+        );
+        // A gain under the hint's minimum is none.
+        for h in &hashes[..13] {
+            registry.index.write().unwrap().insert(engines[1].slot, *h);
+        }
+        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 16]);
     }
 
     #[test]
