@@ -7,6 +7,13 @@
 //! [`BlockHasher`] in the tenant's scope), a per-request user part and an output length, arriving
 //! as a Poisson process.
 //!
+//! With `clients`, arrivals are a closed loop instead: that many clients, each sending the next
+//! request of the trace when its last one is answered (as `scripts/bench-routing` does). With
+//! `cores`, the engines share that many compute units: while more engines are busy than units,
+//! each runs at units / busy of its speed (its phases are rescheduled whenever that changes), and
+//! the router sees, as the gateway does from the engines' compute reports, every engine's
+//! requests in flight as sharing the compute. The simulated engines fetch nothing from peers.
+//!
 //! Each engine is one FIFO server: a request's service is its prefill (the prompt tokens its cache
 //! does not hold, at `prefill_tps`) then its decode (`output / decode_tps`, the engine's batched
 //! decode throughput amortized per request). Its prefix cache holds `capacity_blocks` prompt blocks

@@ -95,7 +95,9 @@ fn golden_outputs_in_f32_and_f16() {
 /// `--dtype q8_0` / `q4_1` on the default model: its Q4_1 file imported with the blocks kept and
 /// run as they are. With 8-bit activations, as llama.cpp's own quantized paths, both flip the
 /// golden question's near tie and answer in French, which is what llama.cpp answers on the same
-/// weights too (docs/quantization.md; these are llama.cpp's first tokens).
+/// weights too (docs/quantization.md; these are llama.cpp's first tokens). For q8_0 the tie is
+/// close enough that the f32 kernels' rounding decides it: on AVX-512 CPUs it answers the f32
+/// golden answer instead, so the test accepts either.
 #[test]
 fn quantized_outputs_of_the_shipped_q4_1_file() {
     if !model_fetched() {
@@ -104,8 +106,16 @@ fn quantized_outputs_of_the_shipped_q4_1_file() {
     let question = ["--chat", "--prompt", "What is the capital of France?"];
     let (text, ids) =
         generate(&[&question[..], &["--dtype", "q8_0", "--max-tokens", "8"]].concat());
-    assert_eq!(ids, [60, 23, 39614, 1141, 552, 28, 2618, 12693], "q8_0");
-    assert!(text.starts_with("L'Étoile"), "q8_0: {text}");
+    let french = [60, 23, 39614, 1141, 552, 28, 2618, 12693];
+    let english = [504, 3575, 282, 4649, 314, 7042, 30];
+    assert!(
+        ids == french || ids == english,
+        "q8_0: {ids:?} is neither llama.cpp's answer {french:?} nor the golden one {english:?}"
+    );
+    assert!(
+        text.starts_with("L'Étoile") || text == "The capital of France is Paris.",
+        "q8_0: {text}"
+    );
     let (text, ids) =
         generate(&[&question[..], &["--dtype", "q4_1", "--max-tokens", "6"]].concat());
     assert_eq!(ids, [60, 23, 39614, 1141, 552, 28], "q4_1");
