@@ -142,20 +142,12 @@ fn tenants_stay_on_their_prefix_balanced_and_isolated() {
             }
         }
     }
-    // A tenant may be moved once: an idle engine that can fetch its prefix from the home (a
-    // peer transfer) is cheaper than a moment's queue there. Every other request stays.
-    let mut stayed = 0;
     for (id, (hits, total)) in &on_home {
         assert!(
-            *hits + 1 >= *total,
+            *hits as f64 >= 0.95 * *total as f64,
             "{id}: {hits}/{total} on its prefix engine (homes {home:?})"
         );
-        stayed += hits;
     }
-    assert!(
-        stayed >= 27,
-        "{stayed} of 30 on their prefix engine ({on_home:?})"
-    );
     let mean = 30.0 / 3.0;
     for (e, n) in &per_engine {
         assert!(
@@ -164,12 +156,10 @@ fn tenants_stay_on_their_prefix_balanced_and_isolated() {
         );
     }
     let m = gw.metrics();
-    let by_prefix = m
-        .lines()
-        .find_map(|l| l.strip_prefix("kvgate_gateway_route_decisions_total{reason=\"prefix\"} "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .unwrap_or(0.0);
-    assert!(by_prefix >= stayed as f64, "{m}");
+    assert!(
+        m.contains("kvgate_gateway_route_decisions_total{reason=\"prefix\"} 30"),
+        "{m}"
+    );
 
     // Scopes: the same system prompt in another tenant's own scope is never a hit; in a
     // shared scope it is.

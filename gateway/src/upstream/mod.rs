@@ -306,15 +306,17 @@ impl Registry {
             .map(|e| (e.report().0, e.total_inflight()))
             .collect();
         // Engines a candidate may count on to send it the prefix: those `best_peer` picks from
-        // (a draining one included: its cache is still good) whose current step ends well
-        // within a fetch's deadline (a fetch waits for it; from an engine deep in a long
-        // prefill it would come back partial or time out, and the rest be computed).
+        // that would not take the request themselves, draining or with a full batch (one with
+        // room is the cheaper place for it), and whose current step ends well within a fetch's
+        // deadline (a fetch waits for it; from an engine deep in a long prefill it would come
+        // back partial or time out, and the rest be computed).
         let peers = all
             .iter()
             .zip(&everyone)
             .filter(|(e, (r, _))| {
                 exclude & (1 << e.slot) == 0
                     && e.can_be_peer(now_ms)
+                    && (e.is_draining() || (r.max_seqs > 0 && r.running >= r.max_seqs))
                     && r.step_now_secs(req.prior_secs_per_token) <= PEER_STEP_LIMIT_SECS
             })
             .fold(0u64, |m, (e, _)| m | (1 << e.slot));
@@ -598,8 +600,17 @@ mod tests {
     fn candidates_know_what_a_peer_could_send_them() {
         let (registry, engines, hashes) = fleet(3, &[0]);
         let peers = |c: &[Candidate]| c.iter().map(|c| c.peer_blocks).collect::<Vec<_>>();
-        // Engine 0 holds the 16 blocks: the others could fetch them, engine 0 needs nothing.
+        // Engine 0 holds the 16 blocks and has room in its batch: it is where the request
+        // goes, so no one counts on fetching from it.
+        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 0, 0]);
+        // With its batch full, the others could fetch them; engine 0 needs nothing.
+        engines[0].set_report(Some(LoadReport {
+            max_seqs: 8,
+            running: 8,
+            ..LoadReport::default()
+        }));
         assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 16, 16]);
+        engines[0].set_report(None);
         // Draining, engine 0 takes nothing new but still sends what it holds.
         engines[0].draining.store(true, Ordering::SeqCst);
         let c = candidates(&registry, &hashes, "t");
