@@ -20,8 +20,6 @@ const MR: usize = 6;
 const MC: usize = 24 * MR;
 /// Panel width of the packed `w^T`.
 const NR: usize = 16;
-/// GEMV software prefetch distance.
-const PREFETCH_BYTES: usize = 1024;
 
 thread_local! {
     /// Per-thread packing buffer, reused across calls.
@@ -87,12 +85,15 @@ unsafe fn dot_tile<E: Elem, const R: usize, const C: usize>(
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         let k16 = k & !15;
         let mut p = 0;
-        // Prefetch this far ahead in each weight row, as the AVX-512 GEMV does.
-        let ahead = PREFETCH_BYTES / std::mem::size_of::<E>();
+        // The next tile, prefetched in memory order while this one runs, as the AVX-512 GEMV
+        // does: 16 values per row per step cover all of it by the end.
+        let next = w.wrapping_add(C * k);
+        let mut front = 0;
         while p < k16 {
             for c in 0..C {
                 let at = w.add(c * k + p);
-                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(ahead).cast());
+                _mm_prefetch::<{ super::avx512::PREFETCH_HINT }>(next.wrapping_add(front).cast());
+                front += 16;
                 let (w0, w1) = (E::load8(at), E::load8(at.add(8)));
                 for (r, accr) in acc.iter_mut().enumerate() {
                     let xr = x.add(r * k + p);

@@ -381,21 +381,24 @@ unsafe fn qtile<B: QDot, const R: usize, const C: usize>(
 ) {
     use crate::cpu::simd::hsum256;
     use std::arch::x86_64::*;
-    /// Bytes ahead of the block being read that each weight row prefetches.
-    const AHEAD: usize = 1024;
     // SAFETY (whole body): the caller guarantees R rows of x and C rows of w, nb blocks each,
     // an R x C output tile at `out` with row stride `ldo`, and AVX2/FMA/F16C.
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); C]; R];
+        // The next tile's bytes, prefetched line by line in memory order while this one runs
+        // (as the dense GEMVs do): by block b, the first (b + 1) / nb of them.
+        let next = w.wrapping_add(C * nb).cast::<u8>();
+        let tile_bytes = C * std::mem::size_of::<B>();
+        let mut front = 0;
         for b in 0..nb {
+            while front < (b + 1) * tile_bytes {
+                _mm_prefetch::<{ super::avx512::PREFETCH_HINT }>(next.wrapping_add(front).cast());
+                front += 64;
+            }
             let mut wv = [_mm256_setzero_si256(); C];
             let mut sc = [_mm_setzero_ps(); C];
             for c in 0..C {
                 let blk = &*w.add(c * nb + b);
-                if b % 2 == 0 {
-                    let at = (blk as *const B).cast::<u8>().wrapping_add(AHEAD);
-                    _mm_prefetch::<_MM_HINT_T0>(at.cast());
-                }
                 wv[c] = blk.weights256();
                 sc[c] = blk.scales128();
             }
