@@ -4,8 +4,8 @@
 //! Two algorithms, chosen by `m`:
 //! - **GEMV** (`m <= GEMV_MAX_ROWS`, decode): each output is a dot product of an x row and a w
 //!   row, in register tiles of up to 4 x rows by 4 w rows (1 x 8 for a single token), w widened
-//!   in registers and software-prefetched ahead. It streams the weights exactly once, so it runs
-//!   at memory bandwidth. Output columns are split across threads.
+//!   in registers; each tile prefetches the next one into L2. It streams the weights exactly
+//!   once, so it runs at memory bandwidth. Output columns are split across threads.
 //! - **GEMM** (prefill): Goto-style blocking. A `KC x NC` block of `w^T` is packed (widened to
 //!   f32 and transposed with 16x16 register transposes) into a per-thread buffer, then a
 //!   12 x 32 outer-product microkernel runs over it, broadcasting x values. Output column ranges

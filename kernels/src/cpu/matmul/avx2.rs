@@ -1,6 +1,6 @@
 //! AVX2 matmul kernels, for x86 CPUs without AVX-512 (Haswell to Alder Lake clients, Zen 1 to
 //! Zen 3): the same two algorithms as the AVX-512 ones at half the vector width. A GEMV of
-//! dot-product register tiles (weights widened in registers, prefetched ahead), and a GEMM of
+//! dot-product register tiles (weights widened in registers, the next tile prefetched), and a GEMM of
 //! packed `w^T` panels with a 6 x 16 outer-product microkernel (12 accumulators, two panel
 //! vectors and one broadcast: 15 of the 16 registers).
 

@@ -388,10 +388,10 @@ unsafe fn qtile<B: QDot, const R: usize, const C: usize>(
         // The next tile's bytes, prefetched line by line in memory order while this one runs
         // (as the dense GEMVs do): by block b, the first (b + 1) / nb of them.
         let next = w.wrapping_add(C * nb).cast::<u8>();
-        let tile_bytes = C * std::mem::size_of::<B>();
+        let column_bytes = C * std::mem::size_of::<B>();
         let mut front = 0;
         for b in 0..nb {
-            while front < (b + 1) * tile_bytes {
+            while front < (b + 1) * column_bytes {
                 _mm_prefetch::<{ super::avx512::PREFETCH_HINT }>(next.wrapping_add(front).cast());
                 front += 64;
             }
