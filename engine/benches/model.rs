@@ -147,7 +147,7 @@ fn batched_tok_s(r: &mut Runner, batch: usize, steps: usize) -> f64 {
 
 /// Read bandwidth of this machine: two threads summing a 1 GiB buffer with 16 independent
 /// accumulators (so the sum vectorizes and memory, not the adder chain, is the limit), the best
-/// of a plain loop and one that prefetches 1 KiB ahead as the GEMV does. On some machines (virtual
+/// of a plain loop and one that prefetches 1 KiB ahead. On some machines (virtual
 /// ones especially) the hardware prefetcher alone leaves latency exposed, and a plain loop reads
 /// slower than the decode it is the limit of.
 fn bandwidth_gb_s() -> f64 {

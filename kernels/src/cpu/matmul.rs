@@ -40,6 +40,47 @@ const GEMV_TASK_BYTES: usize = 1 << 20;
 /// Below this many multiply-adds a matmul runs on the calling thread (threads cost microseconds).
 const PARALLEL_MIN_WORK: usize = 1 << 16;
 
+/// The GEMVs' software prefetch: while a register tile of weight rows is read, the next tile's
+/// bytes (the rows that follow it in memory) are prefetched into L2, line by line in memory order
+/// and at the pace the tile is read, so that by its end all of the next one has been asked for.
+/// A fixed distance ahead within each row would land in the tile's own later rows whenever rows
+/// are shorter than it, and each tile would start cold. L2, not L1: an L1 prefetch holds one of
+/// the core's few fill buffers until its line arrives, which caps one core's reads from DRAM (f16
+/// decode read 18 GiB/s that way on a 2-core Xeon, 24 GiB/s into L2).
+#[cfg(target_arch = "x86_64")]
+struct NextTile {
+    next: *const u8,
+    front: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl NextTile {
+    /// For a tile of `bytes` bytes at `tile` (its rows contiguous); `on` false prefetches
+    /// nothing (a tile read again for more x rows, whose next tile was already asked for).
+    #[inline(always)]
+    fn new<T>(tile: *const T, bytes: usize, on: bool) -> NextTile {
+        NextTile {
+            next: tile.cast::<u8>().wrapping_add(bytes),
+            front: if on { 0 } else { usize::MAX },
+        }
+    }
+
+    /// The tile has been read up to `bytes` of its own: prefetch the next tile's lines up to
+    /// the same offset.
+    #[inline(always)]
+    fn keep_up(&mut self, bytes: usize) {
+        while self.front < bytes {
+            // SAFETY: a prefetch is a hint and never faults, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                    self.next.wrapping_add(self.front).cast(),
+                )
+            };
+            self.front += 64;
+        }
+    }
+}
+
 /// Shapes of one matmul: x `[m, k]`, w `[n, k]`, out `[m, n]`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Dims {

@@ -1,6 +1,7 @@
 //! AVX2 matmul kernels, for x86 CPUs without AVX-512 (Haswell to Alder Lake clients, Zen 1 to
 //! Zen 3): the same two algorithms as the AVX-512 ones at half the vector width. A GEMV of
-//! dot-product register tiles (weights widened in registers, the next tile prefetched), and a GEMM of
+//! dot-product register tiles (weights widened in registers, the next tile prefetched), and a GEMM
+//! of
 //! packed `w^T` panels with a 6 x 16 outer-product microkernel (12 accumulators, two panel
 //! vectors and one broadcast: 15 of the 16 registers).
 
@@ -9,7 +10,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::Dims;
+use super::{Dims, NextTile};
 use crate::cpu::simd::{hsum256, load_partial8, reduce8, Elem};
 
 /// Depth of a packed block: a 16-column panel of it (16 KiB) stays in L1 across x tiles.
@@ -46,7 +47,7 @@ pub(super) unsafe fn gemv<E: Elem>(
         // One token: eight weight rows per tile, for more independent loads in flight.
         if d.m == 1 && n1 - j >= 8 {
             // SAFETY: row 0 of x and rows j..j+8 of w exist; out is valid per the caller.
-            unsafe { dot_tile::<E, 1, 8>(xp, wp.add(j * d.k), d.k, out.add(j), d.n) };
+            unsafe { dot_tile::<E, 1, 8>(xp, wp.add(j * d.k), d.k, out.add(j), d.n, true) };
             j += 8;
             continue;
         }
@@ -58,10 +59,10 @@ pub(super) unsafe fn gemv<E: Elem>(
             unsafe {
                 let (xt, wt, ot) = (xp.add(i * d.k), wp.add(j * d.k), out.add(i * d.n + j));
                 match (mr, nr) {
-                    (2, 4) => dot_tile::<E, 2, 4>(xt, wt, d.k, ot, d.n),
-                    (1, 4) => dot_tile::<E, 1, 4>(xt, wt, d.k, ot, d.n),
-                    (2, _) => dot_tile::<E, 2, 1>(xt, wt, d.k, ot, d.n),
-                    _ => dot_tile::<E, 1, 1>(xt, wt, d.k, ot, d.n),
+                    (2, 4) => dot_tile::<E, 2, 4>(xt, wt, d.k, ot, d.n, i == 0),
+                    (1, 4) => dot_tile::<E, 1, 4>(xt, wt, d.k, ot, d.n, i == 0),
+                    (2, _) => dot_tile::<E, 2, 1>(xt, wt, d.k, ot, d.n, i == 0),
+                    _ => dot_tile::<E, 1, 1>(xt, wt, d.k, ot, d.n, i == 0),
                 }
             }
             i += mr;
@@ -70,7 +71,8 @@ pub(super) unsafe fn gemv<E: Elem>(
     }
 }
 
-/// `out[r * ldo + c] = dot(x row r, w row c)` for an `R x C` tile; rows are `k` long.
+/// `out[r * ldo + c] = dot(x row r, w row c)` for an `R x C` tile; rows are `k` long. With
+/// `prefetch`, the next tile's weights are prefetched while this one is read ([`NextTile`]).
 #[inline(always)]
 unsafe fn dot_tile<E: Elem, const R: usize, const C: usize>(
     x: *const f32,
@@ -78,6 +80,7 @@ unsafe fn dot_tile<E: Elem, const R: usize, const C: usize>(
     k: usize,
     out: *mut f32,
     ldo: usize,
+    prefetch: bool,
 ) {
     // SAFETY (whole body): the caller guarantees R rows of x and C rows of w, each k long, an
     // R x C output tile at `out` with row stride `ldo`, and AVX2/FMA/F16C.
@@ -85,15 +88,11 @@ unsafe fn dot_tile<E: Elem, const R: usize, const C: usize>(
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         let k16 = k & !15;
         let mut p = 0;
-        // The next tile, prefetched in memory order while this one runs, as the AVX-512 GEMV
-        // does: 16 values per row per step cover all of it by the end.
-        let next = w.wrapping_add(C * k);
-        let mut front = 0;
+        let mut next = NextTile::new(w, C * k * std::mem::size_of::<E>(), prefetch);
         while p < k16 {
+            next.keep_up((p + 16) * C * std::mem::size_of::<E>());
             for c in 0..C {
                 let at = w.add(c * k + p);
-                _mm_prefetch::<{ super::avx512::PREFETCH_HINT }>(next.wrapping_add(front).cast());
-                front += 16;
                 let (w0, w1) = (E::load8(at), E::load8(at.add(8)));
                 for (r, accr) in acc.iter_mut().enumerate() {
                     let xr = x.add(r * k + p);

@@ -7,7 +7,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::Dims;
+use super::{Dims, NextTile};
 use crate::cpu::simd::{load_partial, reduce16, Elem};
 
 /// Widest column block a GEMM task packs (`KC_TARGET x NC_MAX` f32 = 256 KiB, in L2).
@@ -16,10 +16,6 @@ pub(super) const NC_MAX: usize = 256;
 const KC_TARGET: usize = 256;
 /// Rows of x per microkernel call (24 accumulators + 2 panel vectors + 1 broadcast).
 const MR: usize = 12;
-/// Where the GEMV's software prefetch puts the next tile's lines: L2. An L1 prefetch holds one
-/// of the core's few fill buffers until its line arrives, which caps one core's reads from DRAM
-/// well below the memory's bandwidth (F16 decode read 18 GiB/s that way, 24 GiB/s into L2).
-pub(super) const PREFETCH_HINT: i32 = _MM_HINT_T1;
 /// Rows of x per L2 block.
 const MC: usize = 12 * MR;
 
@@ -48,7 +44,7 @@ pub(super) unsafe fn gemv<E: Elem>(
         // One token: eight weight rows per tile, for more independent loads in flight.
         if d.m == 1 && n1 - j >= 8 {
             // SAFETY: row 0 of x and rows j..j+8 of w exist; out is valid per the caller.
-            unsafe { dot_tile::<E, 1, 8>(xp, wp.add(j * d.k), d.k, out.add(j), d.n) };
+            unsafe { dot_tile::<E, 1, 8>(xp, wp.add(j * d.k), d.k, out.add(j), d.n, true) };
             j += 8;
             continue;
         }
@@ -60,14 +56,14 @@ pub(super) unsafe fn gemv<E: Elem>(
             unsafe {
                 let (xt, wt, ot) = (xp.add(i * d.k), wp.add(j * d.k), out.add(i * d.n + j));
                 match (mr, nr) {
-                    (4, 4) => dot_tile::<E, 4, 4>(xt, wt, d.k, ot, d.n),
-                    (3, 4) => dot_tile::<E, 3, 4>(xt, wt, d.k, ot, d.n),
-                    (2, 4) => dot_tile::<E, 2, 4>(xt, wt, d.k, ot, d.n),
-                    (1, 4) => dot_tile::<E, 1, 4>(xt, wt, d.k, ot, d.n),
-                    (4, _) => dot_tile::<E, 4, 1>(xt, wt, d.k, ot, d.n),
-                    (3, _) => dot_tile::<E, 3, 1>(xt, wt, d.k, ot, d.n),
-                    (2, _) => dot_tile::<E, 2, 1>(xt, wt, d.k, ot, d.n),
-                    _ => dot_tile::<E, 1, 1>(xt, wt, d.k, ot, d.n),
+                    (4, 4) => dot_tile::<E, 4, 4>(xt, wt, d.k, ot, d.n, i == 0),
+                    (3, 4) => dot_tile::<E, 3, 4>(xt, wt, d.k, ot, d.n, i == 0),
+                    (2, 4) => dot_tile::<E, 2, 4>(xt, wt, d.k, ot, d.n, i == 0),
+                    (1, 4) => dot_tile::<E, 1, 4>(xt, wt, d.k, ot, d.n, i == 0),
+                    (4, _) => dot_tile::<E, 4, 1>(xt, wt, d.k, ot, d.n, i == 0),
+                    (3, _) => dot_tile::<E, 3, 1>(xt, wt, d.k, ot, d.n, i == 0),
+                    (2, _) => dot_tile::<E, 2, 1>(xt, wt, d.k, ot, d.n, i == 0),
+                    _ => dot_tile::<E, 1, 1>(xt, wt, d.k, ot, d.n, i == 0),
                 }
             }
             i += mr;
@@ -76,7 +72,8 @@ pub(super) unsafe fn gemv<E: Elem>(
     }
 }
 
-/// `out[r * ldo + c] = dot(x row r, w row c)` for an `R x C` tile; rows are `k` long.
+/// `out[r * ldo + c] = dot(x row r, w row c)` for an `R x C` tile; rows are `k` long. With
+/// `prefetch`, the next tile's weights are prefetched while this one is read ([`NextTile`]).
 #[inline(always)]
 unsafe fn dot_tile<E: Elem, const R: usize, const C: usize>(
     x: *const f32,
@@ -84,6 +81,7 @@ unsafe fn dot_tile<E: Elem, const R: usize, const C: usize>(
     k: usize,
     out: *mut f32,
     ldo: usize,
+    prefetch: bool,
 ) {
     // SAFETY (whole body): the caller guarantees R rows of x and C rows of w, each k long, an
     // R x C output tile at `out` with row stride `ldo`, and AVX-512F/F16C.
@@ -91,47 +89,19 @@ unsafe fn dot_tile<E: Elem, const R: usize, const C: usize>(
         let mut acc = [[_mm512_setzero_ps(); C]; R];
         let mut wv = [_mm512_setzero_ps(); C];
         let k16 = k & !15;
-        // One step covers a cache line of each weight row (16 f32 or 32 f16 values), so each
-        // line is prefetched once: a second hint to the same line only takes a load slot.
-        let line = 64 / std::mem::size_of::<E>();
-        let k_lines = k - k % line;
+        let mut next = NextTile::new(w, C * k * std::mem::size_of::<E>(), prefetch);
         let mut p = 0;
-        // One 16-value step of the tile at column p (a macro: a closure would not inherit this
-        // function's target features, and its loads would not inline).
-        macro_rules! step {
-            ($p:expr) => {
-                let p = $p;
-                for (c, v) in wv.iter_mut().enumerate() {
-                    *v = E::load16(w.add(c * k + p));
-                }
-                for (r, accr) in acc.iter_mut().enumerate() {
-                    let xv = _mm512_loadu_ps(x.add(r * k + p));
-                    for c in 0..C {
-                        accr[c] = _mm512_fmadd_ps(xv, wv[c], accr[c]);
-                    }
-                }
-            };
-        }
-        // The next tile's rows, prefetched line by line in memory order while this one runs:
-        // one line per row per step covers all of it by the end. (A fixed distance ahead within
-        // each row lands in this tile's own later rows whenever rows are shorter than it, and the
-        // next tile then starts cold.)
-        let next = w.wrapping_add(C * k);
-        let mut front = 0;
-        while p < k_lines {
-            for _ in 0..C {
-                _mm_prefetch::<PREFETCH_HINT>(next.wrapping_add(front).cast());
-                front += line;
-            }
-            let mut q = 0;
-            while q < line {
-                step!(p + q);
-                q += 16;
-            }
-            p += line;
-        }
         while p < k16 {
-            step!(p);
+            next.keep_up((p + 16) * C * std::mem::size_of::<E>());
+            for (c, v) in wv.iter_mut().enumerate() {
+                *v = E::load16(w.add(c * k + p));
+            }
+            for (r, accr) in acc.iter_mut().enumerate() {
+                let xv = _mm512_loadu_ps(x.add(r * k + p));
+                for c in 0..C {
+                    accr[c] = _mm512_fmadd_ps(xv, wv[c], accr[c]);
+                }
+            }
             p += 16;
         }
         if p < k {

@@ -357,10 +357,10 @@ unsafe fn gemv_avx2<B: QDot>(
             unsafe {
                 let (xt, wt, ot) = (xp.add(i * nb), wp.add(j * nb), out.add(i * d.n + j));
                 match (mr, nr) {
-                    (2, 4) => qtile::<B, 2, 4>(xt, wt, nb, ot, d.n),
-                    (1, 4) => qtile::<B, 1, 4>(xt, wt, nb, ot, d.n),
-                    (2, _) => qtile::<B, 2, 1>(xt, wt, nb, ot, d.n),
-                    _ => qtile::<B, 1, 1>(xt, wt, nb, ot, d.n),
+                    (2, 4) => qtile::<B, 2, 4>(xt, wt, nb, ot, d.n, i == 0),
+                    (1, 4) => qtile::<B, 1, 4>(xt, wt, nb, ot, d.n, i == 0),
+                    (2, _) => qtile::<B, 2, 1>(xt, wt, nb, ot, d.n, i == 0),
+                    _ => qtile::<B, 1, 1>(xt, wt, nb, ot, d.n, i == 0),
                 }
             }
             i += mr;
@@ -378,6 +378,7 @@ unsafe fn qtile<B: QDot, const R: usize, const C: usize>(
     nb: usize,
     out: *mut f32,
     ldo: usize,
+    prefetch: bool,
 ) {
     use crate::cpu::simd::hsum256;
     use std::arch::x86_64::*;
@@ -385,16 +386,10 @@ unsafe fn qtile<B: QDot, const R: usize, const C: usize>(
     // an R x C output tile at `out` with row stride `ldo`, and AVX2/FMA/F16C.
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); C]; R];
-        // The next tile's bytes, prefetched line by line in memory order while this one runs
-        // (as the dense GEMVs do): by block b, the first (b + 1) / nb of them.
-        let next = w.wrapping_add(C * nb).cast::<u8>();
         let column_bytes = C * std::mem::size_of::<B>();
-        let mut front = 0;
+        let mut next = super::NextTile::new(w, nb * column_bytes, prefetch);
         for b in 0..nb {
-            while front < (b + 1) * column_bytes {
-                _mm_prefetch::<{ super::avx512::PREFETCH_HINT }>(next.wrapping_add(front).cast());
-                front += 64;
-            }
+            next.keep_up((b + 1) * column_bytes);
             let mut wv = [_mm256_setzero_si256(); C];
             let mut sc = [_mm_setzero_ps(); C];
             for c in 0..C {
