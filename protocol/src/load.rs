@@ -236,6 +236,9 @@ pub struct StepCost {
     sy: f64,
     sxx: f64,
     sxy: f64,
+    /// The quickest recent step, of any size: the fixed cost of a step is no more than that.
+    /// It drops to a quicker step at once and rises toward slower ones at `rate`.
+    quickest: f64,
     /// The last fit made while step sizes were spread out, kept through stretches of same-size
     /// steps (decode alone), which cannot tell the fixed cost from the per-token one.
     last: Option<(f64, f64)>,
@@ -257,6 +260,7 @@ impl StepCost {
             sy: 0.0,
             sxx: 0.0,
             sxy: 0.0,
+            quickest: f64::INFINITY,
             last: None,
         }
     }
@@ -273,6 +277,11 @@ impl StepCost {
         self.sy = self.sy * keep + secs;
         self.sxx = self.sxx * keep + x * x;
         self.sxy = self.sxy * keep + x * secs;
+        self.quickest = if secs < self.quickest {
+            secs
+        } else {
+            self.quickest + self.rate * (secs - self.quickest)
+        };
         if let Some(fit) = self.line() {
             self.last = Some(fit);
         }
@@ -286,11 +295,22 @@ impl StepCost {
         if var.is_nan() || var < 4.0 {
             return None;
         }
-        let slope = ((self.sxy / self.n - mx * my) / var).max(0.0);
+        let slope = (self.sxy / self.n - mx * my) / var;
         let intercept = my - slope * mx;
-        if intercept < 0.0 {
-            // The line through the origin that fits best.
+        // A step never gets cheaper with more tokens: a slope at or below zero is noise (steps
+        // slowed by other work on the cores, a cold first pass), and read as a line it would
+        // price a whole prefill at nothing and put everything on a fixed step cost. So is a
+        // negative fixed cost. Either way, the line through the origin that fits best: all of
+        // the time on the tokens.
+        if slope <= 0.0 || intercept < 0.0 || !slope.is_finite() {
             return Some((0.0, (self.sxy / self.sxx).max(0.0)));
+        }
+        // A fixed cost above the quickest recent step is the line bent by steps that other
+        // work slowed (large and small steps rarely meet the same contention): the fixed cost
+        // is held to that step, and the per-token cost fitted again under it.
+        if intercept > self.quickest {
+            let step = self.quickest;
+            return Some((step, ((self.sxy - step * self.sx) / self.sxx).max(0.0)));
         }
         Some((intercept, slope))
     }
@@ -340,6 +360,39 @@ mod tests {
         one.observe(4, f64::NAN);
         one.observe(4, -1.0);
         assert_eq!(one.fit(), (step, per_token));
+    }
+
+    #[test]
+    fn steps_that_do_not_grow_with_their_size_are_not_a_free_prefill() {
+        // A cold first prefill of 300 tokens, then small steps slowed by work beside them: the
+        // least-squares slope is negative. Read as (0.8 s a step, nothing a token) it would
+        // make a queued step look long and a full prefill free.
+        let mut c = StepCost::new(0.05);
+        c.observe(300, 0.8);
+        for _ in 0..3 {
+            c.observe(20, 0.85);
+        }
+        let (step, per_token) = c.fit();
+        assert_eq!(step, 0.0);
+        let want = (0.8 * 300.0 + 3.0 * 0.85 * 20.0) / (300.0f64.powi(2) + 3.0 * 400.0);
+        assert!((per_token - want).abs() / want < 0.05, "{per_token} {want}");
+    }
+
+    #[test]
+    fn the_fixed_cost_is_no_more_than_the_quickest_step() {
+        // Mid-size steps slowed by work beside them, and a few quick decode steps: the line
+        // through them all starts above the quick steps' own time.
+        let mut c = StepCost::new(0.05);
+        for i in 0..40 {
+            match i % 4 {
+                0 => c.observe(300, 0.45),
+                3 => c.observe(2, 0.04),
+                _ => c.observe(22, 0.25),
+            }
+        }
+        let (step, per_token) = c.fit();
+        assert!(step <= 0.04 + 1e-9, "{step}");
+        assert!(per_token > 0.001, "{per_token}");
     }
 
     #[test]
