@@ -88,6 +88,7 @@ impl Backend for Cpu {
 
     fn name(&self) -> &'static str {
         match self.isa {
+            Isa::Amx => "cpu-amx",
             Isa::Avx512 => "cpu-avx512",
             Isa::Avx2 => "cpu-avx2",
             Isa::Portable => "cpu",

@@ -83,6 +83,13 @@ fn quantized_gemv_matches_the_dequantized_reference() {
                 (8, 9, 96),
                 (32, 20, 576),
                 (QUANT_GEMV_MAX_ROWS, 5, 64),
+                // The AMX kernel's shapes (4 rows and more): whole tiles of 16 weight rows and a
+                // rest, one and two groups of 16 x rows, a partial group, an odd block count.
+                (4, 48, 64),
+                (5, 16, 96),
+                (17, 40, 576),
+                (33, 35, 1536),
+                (QUANT_GEMV_MAX_ROWS, 64, 96),
             ] {
                 check(&cpu, 1, m, n, k, q);
             }
@@ -107,9 +114,14 @@ fn every_instruction_set_gives_the_portable_answer() {
     // The integer dot products are exact; only the float scaling may round differently.
     let all = backends();
     let portable = &all[0];
-    for q in [Quant::Q8_0, Quant::Q4_1] {
+    for (q, m) in [
+        (Quant::Q8_0, 2),
+        (Quant::Q4_1, 2),
+        (Quant::Q8_0, 20),
+        (Quant::Q4_1, 20),
+    ] {
         let mut r = rng(3);
-        let (m, n, k) = (2, 40, 576);
+        let (n, k) = (40, 576);
         let x = random(&mut r, m * k, 2.0);
         let w = random(&mut r, n * k, 1.0);
         let outs: Vec<Vec<f32>> = all

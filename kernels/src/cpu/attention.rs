@@ -354,7 +354,7 @@ fn run_item<E: Elem, L: KvLayout>(
     scratch: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && job.shape.head_dim.is_multiple_of(16) && job.shape.head_dim <= 256 {
+    if isa.avx512() && job.shape.head_dim.is_multiple_of(16) && job.shape.head_dim <= 256 {
         // SAFETY: Isa::Avx512 is only detected on CPUs with AVX-512F/FMA/F16C; the batch was
         // checked (rows inside q and out, block tables inside the pool, K/V long enough), and
         // each item writes only its own (query rows, heads) of out.

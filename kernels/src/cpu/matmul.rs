@@ -14,6 +14,8 @@
 //! Both have AVX-512 versions (`avx512`), AVX2 versions at half the width (`avx2`) and a
 //! portable fallback (`portable`).
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod avx2;
 mod avx512;
 mod portable;
@@ -33,6 +35,10 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// block; beyond, the GEMM widens them while it packs. The integer path stays ahead well past
 /// decode: a batch of decodes reads each weight block once per tile of x rows from cache.
 pub const QUANT_GEMV_MAX_ROWS: usize = 64;
+
+/// From this many rows, quantized weights run on the AMX tile unit where the CPU has one; a
+/// single token or two are bound by reading the weights, which the AVX2 kernel does as fast.
+pub const AMX_MIN_ROWS: usize = 4;
 
 /// Weight bytes per GEMV task, beyond one task per thread.
 const GEMV_TASK_BYTES: usize = 1 << 20;
@@ -174,10 +180,11 @@ impl<E: Elem> Weights for [E] {
     }
 }
 
-/// Quantized weights, with x already quantized for the GEMV.
+/// Quantized weights, with x already quantized for the GEMV (and packed for the AMX kernel).
 struct Quantized<'a, B> {
     w: &'a [B],
     xq: &'a [quant::BlockQ8x],
+    xp: &'a [quant::Packed],
 }
 
 impl<B: QDot> Weights for Quantized<'_, B> {
@@ -202,7 +209,7 @@ impl<B: QDot> Weights for Quantized<'_, B> {
         // SAFETY: forwarded from the caller; xq holds x quantized when gemv is set.
         unsafe {
             if gemv {
-                quant::gemv_range(isa, self.xq, self.w, d, n0, n1, out)
+                quant::gemv_range(isa, self.xq, self.xp, self.w, d, n0, n1, out)
             } else {
                 quant::gemm_range(isa, x, self.w, d, n0, n1, out)
             }
@@ -213,9 +220,22 @@ impl<B: QDot> Weights for Quantized<'_, B> {
 /// `out = x @ w^T` for quantized `w`: the GEMV quantizes x once, on the calling thread.
 fn run_quant<B: QDot>(isa: Isa, x: &[f32], w: &[B], d: Dims, out: &mut [f32]) {
     if d.m <= QUANT_GEMV_MAX_ROWS && d.k > 0 {
-        quant::with_quantized_x(x, |xq| run(isa, x, &Quantized { w, xq }, d, out));
+        let amx = isa == Isa::Amx && d.m >= AMX_MIN_ROWS;
+        quant::with_quantized_x(isa, x, d.m, d.k, amx, |xq, xp| {
+            run(isa, x, &Quantized { w, xq, xp }, d, out)
+        });
     } else {
-        run(isa, x, &Quantized { w, xq: &[] }, d, out);
+        run(
+            isa,
+            x,
+            &Quantized {
+                w,
+                xq: &[],
+                xp: &[],
+            },
+            d,
+            out,
+        );
     }
 }
 
@@ -290,9 +310,9 @@ unsafe fn run_range<E: Elem>(
     debug_assert!(x.len() >= d.m * d.k && w.len() >= d.n * d.k);
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
+        Isa::Avx512 | Isa::Amx => {
             if gemv {
-                // SAFETY: Isa::Avx512 is only chosen when the CPU has AVX-512F/FMA/F16C;
+                // SAFETY: Isa::Avx512 and Isa::Amx are only chosen when the CPU has AVX-512F/FMA/F16C;
                 // slices cover the shapes (asserted above); out per the caller.
                 unsafe { avx512::gemv(x, w, d, n0, n1, out.0) }
             } else {

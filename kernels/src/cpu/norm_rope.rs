@@ -135,7 +135,7 @@ pub(crate) fn silu_mul(isa: Isa, gate_up: &CpuTensor, out: &mut CpuTensor) {
 
 fn silu_mul_row(isa: Isa, g: &[f32], u: &[f32], o: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 {
+    if isa.avx512() {
         // SAFETY: Isa::Avx512 is only detected on CPUs with AVX-512F/FMA/F16C.
         unsafe { silu_mul_avx512(g, u, o) };
         return;

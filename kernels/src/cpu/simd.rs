@@ -17,11 +17,14 @@ pub enum Isa {
     Avx2,
     /// AVX-512F with FMA and F16C (Skylake-SP and later, Zen 4 and later).
     Avx512,
+    /// AVX-512 with the AMX-INT8 tile unit (Sapphire Rapids and later), which multiplies
+    /// quantized weights by a batch of rows; everything else runs the AVX-512 kernels.
+    Amx,
 }
 
 impl Isa {
     /// The best instruction set this CPU supports, unless `KVGATE_CPU_ISA` (`portable`, `avx2`,
-    /// `avx512`) names a lower one: benchmarks compare the paths on one machine that way. A
+    /// `avx512`, `amx`) names a lower one: benchmarks compare the paths on one machine that way. A
     /// name the CPU cannot run, or an unknown one, is ignored.
     pub fn detect() -> Self {
         let best = Self::available().last().copied().unwrap_or(Isa::Portable);
@@ -45,21 +48,64 @@ impl Isa {
                 isas.push(Isa::Avx2);
                 if has!("avx512f") {
                     isas.push(Isa::Avx512);
+                    if has!("avx512bw") && amx_int8_usable() {
+                        isas.push(Isa::Amx);
+                    }
                 }
             }
         }
         isas
     }
 
-    /// The instruction set a name (`portable`, `avx2`, `avx512`) stands for.
+    /// Whether the AVX-512 kernels run ([`Isa::Avx512`] and [`Isa::Amx`]).
+    pub fn avx512(self) -> bool {
+        matches!(self, Isa::Avx512 | Isa::Amx)
+    }
+
+    /// The instruction set a name (`portable`, `avx2`, `avx512`, `amx`) stands for.
     pub fn parse(name: &str) -> Option<Isa> {
         match name.trim().to_ascii_lowercase().as_str() {
             "portable" => Some(Isa::Portable),
             "avx2" => Some(Isa::Avx2),
             "avx512" => Some(Isa::Avx512),
+            "amx" => Some(Isa::Amx),
             _ => None,
         }
     }
+}
+
+/// Whether this CPU has the AMX-INT8 tile unit and the kernel lets this process use it. Linux
+/// enables the tiles' register state per process, on request (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
+/// the request is made once, and a refusal (an older kernel, a hypervisor that hides the state)
+/// leaves AMX unused.
+#[cfg(target_arch = "x86_64")]
+fn amx_int8_usable() -> bool {
+    static USABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *USABLE.get_or_init(|| {
+        // CPUID leaf 7, sub-leaf 0: EDX bit 24 is AMX-TILE, bit 25 AMX-INT8 (zeros where the
+        // leaf is not supported).
+        let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+        let cpu = leaf7.edx & (1 << 24) != 0 && leaf7.edx & (1 << 25) != 0;
+        #[cfg(target_os = "linux")]
+        {
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // SAFETY: a plain system call with integer arguments; it changes only whether this
+            // process may use the tile state.
+            cpu && unsafe {
+                libc::syscall(
+                    libc::SYS_arch_prctl,
+                    ARCH_REQ_XCOMP_PERM,
+                    XFEATURE_XTILEDATA,
+                )
+            } == 0
+        }
+        #[cfg(not(target_os = "linux"))]
+        {
+            let _ = cpu;
+            false
+        }
+    })
 }
 
 /// A storage element type: f32, f16 or bf16.
@@ -376,7 +422,7 @@ mod x86 {
 
         #[test]
         fn reduce16_sums_each_vector_in_order() {
-            if super::super::Isa::detect() != super::super::Isa::Avx512 {
+            if !super::super::Isa::detect().avx512() {
                 return;
             }
             let vals: Vec<[f32; 16]> = (0..16)
@@ -445,7 +491,7 @@ mod x86 {
 
         #[test]
         fn exp512_matches_std() {
-            if super::super::Isa::detect() != super::super::Isa::Avx512 {
+            if !super::super::Isa::detect().avx512() {
                 return;
             }
             let xs: Vec<f32> = (0..4096).map(|i| -100.0 + i as f32 * 0.0458).collect();

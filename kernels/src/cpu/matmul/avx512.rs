@@ -364,7 +364,7 @@ static TRANSPOSE_IDX: [[[i32; 16]; 2]; 4] = {
 
 /// Transposes a 16 x 16 f32 tile held as 16 row vectors (64 two-source permutes).
 #[inline(always)]
-unsafe fn transpose16(r: &mut [__m512; 16]) {
+pub(super) unsafe fn transpose16(r: &mut [__m512; 16]) {
     // SAFETY: register permutes and loads of the static index table; AVX-512F per the caller.
     unsafe {
         for (level, idx) in TRANSPOSE_IDX.iter().enumerate() {

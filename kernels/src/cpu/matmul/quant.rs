@@ -24,14 +24,17 @@ use half::f16;
 #[derive(Debug, Clone, Copy, Default)]
 #[repr(C)]
 pub(crate) struct BlockQ8x {
-    qs: [i8; QK],
-    d: f32,
-    s: f32,
+    pub(super) qs: [i8; QK],
+    pub(super) d: f32,
+    pub(super) s: f32,
 }
 
 thread_local! {
     /// The caller's quantized x rows, reused across calls.
     static XQ: RefCell<Vec<BlockQ8x>> = const { RefCell::new(Vec::new()) };
+    /// The same rows packed for the AMX kernel.
+    #[cfg(target_arch = "x86_64")]
+    static XP: RefCell<Vec<Packed>> = const { RefCell::new(Vec::new()) };
     /// A widened weight row (portable GEMM).
     static ROW: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
@@ -53,6 +56,44 @@ pub(crate) fn quantize_x(x: &[f32], out: &mut Vec<BlockQ8x>) {
             qs,
             d: f16::from_f32(d).to_f32(),
             s: f16::from_f32(d * sum as f32).to_f32(),
+        }
+    }));
+}
+
+/// [`quantize_x`] with AVX-512: the same arithmetic (the same products `x * id`, rounded to
+/// nearest even by `vcvtps2dq`), so the same blocks.
+///
+/// # Safety
+/// The CPU must support AVX-512F and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,f16c")]
+unsafe fn quantize_x_avx512(x: &[f32], out: &mut Vec<BlockQ8x>) {
+    use std::arch::x86_64::*;
+    let f16_round = |v: f32| {
+        // Through f16 and back, rounding to nearest even as `f16::from_f32` does.
+        let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(v));
+        _mm_cvtss_f32(_mm_cvtph_ps(h))
+    };
+    out.clear();
+    out.extend(x.chunks_exact(QK).map(|c| {
+        // SAFETY: c holds 32 values; AVX-512F per the caller.
+        unsafe {
+            let lo = _mm512_loadu_ps(c.as_ptr());
+            let hi = _mm512_loadu_ps(c.as_ptr().add(16));
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            let d = amax / 127.0;
+            let id = _mm512_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+            let qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id));
+            let qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
+            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+            let mut qs = [0i8; QK];
+            _mm_storeu_si128(qs.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(qlo));
+            _mm_storeu_si128(qs.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(qhi));
+            BlockQ8x {
+                qs,
+                d: f16_round(d),
+                s: f16_round(d * sum as f32),
+            }
         }
     }));
 }
@@ -95,6 +136,32 @@ pub(crate) trait QDot: QuantBlock {
     /// The CPU must support AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(&self, off: usize) -> std::arch::x86_64::__m256;
+
+    /// Whether the AMX tile multiply takes the weights as signed bytes (Q8_0) or unsigned
+    /// (Q4_1's nibbles).
+    const AMX_SIGNED: bool;
+
+    /// The 16 rows of `nb` blocks at `w` as the AMX tile loads read them: block `b` of the 16
+    /// rows is 16 rows of 32 bytes at `base + b * block_step`, `stride` bytes apart. Returns
+    /// `(base, block_step, stride)`; formats stored otherwise are unpacked into `bytes`.
+    ///
+    /// # Safety
+    /// `w` must point to 16 rows of `nb` blocks.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn amx_stage(
+        w: *const Self,
+        nb: usize,
+        bytes: &mut Vec<u8>,
+    ) -> (*const u8, usize, usize);
+
+    /// The 16 rows' scales widened, `dw[b * 16 + r]` for row r's block b (and the offsets
+    /// `mw`, for formats that have them).
+    ///
+    /// # Safety
+    /// `w` must point to 16 rows of `nb` blocks, `dw` and `mw` to `16 * nb` f32s each, and the
+    /// CPU must support F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn amx_scales(w: *const Self, nb: usize, dw: *mut f32, mw: *mut f32);
 }
 
 impl QDot for BlockQ8_0 {
@@ -152,6 +219,26 @@ impl QDot for BlockQ8_0 {
                 _mm256_cvtepi32_ps(q),
                 _mm256_set1_ps(f16_bits(self.d.to_bits())),
             )
+        }
+    }
+
+    const AMX_SIGNED: bool = true;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn amx_stage(w: *const Self, nb: usize, _: &mut Vec<u8>) -> (*const u8, usize, usize) {
+        let size = std::mem::size_of::<Self>();
+        // The 32 values follow the 2-byte scale (repr(C)); rows are nb blocks apart.
+        (w.cast::<u8>().wrapping_add(2), size, nb * size)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn amx_scales(w: *const Self, nb: usize, dw: *mut f32, _: *mut f32) {
+        for r in 0..16 {
+            for b in 0..nb {
+                // SAFETY: per the caller: 16 rows of nb blocks, 16 * nb scales, F16C.
+                unsafe { *dw.add(b * 16 + r) = f16_bits((*w.add(r * nb + b)).d.to_bits()) };
+            }
         }
     }
 }
@@ -222,6 +309,53 @@ impl QDot for BlockQ4_1 {
             _mm256_fmadd_ps(q, d, _mm256_set1_ps(f16_bits(self.m.to_bits())))
         }
     }
+
+    const AMX_SIGNED: bool = false;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn amx_stage(
+        w: *const Self,
+        nb: usize,
+        bytes: &mut Vec<u8>,
+    ) -> (*const u8, usize, usize) {
+        // Block b of row r at bytes[(b * 16 + r) * 32..]: its 16 low nibbles (values 0..16),
+        // then its 16 high ones.
+        use std::arch::x86_64::*;
+        bytes.resize(nb * 16 * QK, 0);
+        let out = bytes.as_mut_ptr();
+        for r in 0..16 {
+            for b in 0..nb {
+                // SAFETY: per the caller, 16 rows of nb blocks; the 32 bytes written are block
+                // b of row r in `bytes` (16 * nb blocks of 32). SSE2 is part of x86_64.
+                unsafe {
+                    let q = _mm_loadu_si128((*w.add(r * nb + b)).qs.as_ptr().cast());
+                    let nibble = _mm_set1_epi8(15);
+                    let dst = out.add((b * 16 + r) * QK);
+                    _mm_storeu_si128(dst.cast(), _mm_and_si128(q, nibble));
+                    _mm_storeu_si128(
+                        dst.add(QK / 2).cast(),
+                        _mm_and_si128(_mm_srli_epi16::<4>(q), nibble),
+                    );
+                }
+            }
+        }
+        (out.cast_const(), 16 * QK, QK)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn amx_scales(w: *const Self, nb: usize, dw: *mut f32, mw: *mut f32) {
+        for r in 0..16 {
+            for b in 0..nb {
+                // SAFETY: per the caller: 16 rows of nb blocks, 16 * nb scales each, F16C.
+                unsafe {
+                    let blk = &*w.add(r * nb + b);
+                    *dw.add(b * 16 + r) = f16_bits(blk.d.to_bits());
+                    *mw.add(b * 16 + r) = f16_bits(blk.m.to_bits());
+                }
+            }
+        }
+    }
 }
 
 /// An f16 (as bits) widened with F16C.
@@ -233,23 +367,60 @@ unsafe fn f16_bits(bits: u16) -> f32 {
     unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
 }
 
-/// Runs `f` with `x` quantized (on the calling thread, into a buffer reused across calls).
-pub(super) fn with_quantized_x<R>(x: &[f32], f: impl FnOnce(&[BlockQ8x]) -> R) -> R {
+/// Runs `f` with `x` quantized (on the calling thread, into a buffer reused across calls), and,
+/// when `amx` is set, also packed for the AMX kernel (`m` rows of `k` values).
+pub(super) fn with_quantized_x<R>(
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    amx: bool,
+    f: impl FnOnce(&[BlockQ8x], &[Packed]) -> R,
+) -> R {
     XQ.with(|cell| {
         let mut xq = cell.borrow_mut();
-        quantize_x(x, &mut xq);
-        f(&xq)
+        #[cfg(target_arch = "x86_64")]
+        if isa.avx512() {
+            // SAFETY: the AVX-512 ISAs are only chosen with AVX-512F and F16C.
+            unsafe { quantize_x_avx512(x, &mut xq) };
+        } else {
+            quantize_x(x, &mut xq);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = isa;
+            quantize_x(x, &mut xq);
+        }
+        #[cfg(target_arch = "x86_64")]
+        if amx {
+            return XP.with(|packed| {
+                let mut xp = packed.borrow_mut();
+                super::amx::pack_x(&xq, m, k / QK, &mut xp);
+                f(&xq, &xp)
+            });
+        }
+        let _ = (m, k, amx);
+        f(&xq, &[])
     })
 }
+
+/// x rows packed for the AMX kernel.
+#[cfg(target_arch = "x86_64")]
+pub(super) type Packed = super::amx::PackedX;
+/// x rows packed for the AMX kernel (none off x86_64).
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) type Packed = ();
 
 /// Columns `n0..n1` of `out = x @ w^T` for small m, x already quantized.
 ///
 /// # Safety
 /// `xq` holds `m * k / 32` blocks, `w` holds `n * k / 32`, and `out` points to `m * n` f32s of
 /// which this call may write columns `n0..n1`.
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn gemv_range<B: QDot>(
     isa: Isa,
     xq: &[BlockQ8x],
+    xp: &[Packed],
     w: &[B],
     d: Dims,
     n0: usize,
@@ -258,6 +429,21 @@ pub(super) unsafe fn gemv_range<B: QDot>(
 ) {
     let nb = d.k / QK;
     debug_assert!(xq.len() >= d.m * nb && w.len() >= d.n * nb);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Amx && !xp.is_empty() {
+        // Whole tiles of 16 weight rows on the tile unit, the rest as below.
+        let tiles = n0 + (n1 - n0) / 16 * 16;
+        // SAFETY: Isa::Amx is only chosen with AVX-512F/BW, AMX-INT8 and its state enabled; xp
+        // is x packed (with_quantized_x); shapes per the caller.
+        unsafe {
+            super::amx::gemm(xp, w, d, n0, tiles, out.0);
+            if tiles < n1 {
+                gemv_avx2(xq, w, d, tiles, n1, out.0);
+            }
+        }
+        return;
+    }
+    let _ = xp;
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Portable {
         // SAFETY: every ISA above Portable has AVX2/FMA/F16C; shapes per the caller.
@@ -420,6 +606,43 @@ unsafe fn qtile<B: QDot, const R: usize, const C: usize>(
             for (c, &a) in accr.iter().enumerate() {
                 *out.add(r * ldo + c) = hsum256(a);
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_avx512_quantizer_gives_the_portable_blocks() {
+        if !Isa::detect().avx512() {
+            return;
+        }
+        // Random values, a block of zeros, a block of exact ties (x * 127 / max = n + 0.5) and
+        // one of huge and tiny values.
+        let mut x: Vec<f32> = (0..64 * QK)
+            .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) * 0.0137)
+            .collect();
+        x[QK..2 * QK].fill(0.0);
+        for (i, v) in x[2 * QK..3 * QK].iter_mut().enumerate() {
+            *v = if i == 0 { 127.0 } else { (i % 9) as f32 + 0.5 };
+        }
+        for (i, v) in x[3 * QK..4 * QK].iter_mut().enumerate() {
+            *v = if i % 2 == 0 { 3.0e38 } else { -1.0e-30 };
+        }
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        quantize_x(&x, &mut a);
+        // SAFETY: AVX-512F (and F16C, which every AVX-512 CPU has) detected above.
+        unsafe { quantize_x_avx512(&x, &mut b) };
+        assert_eq!(a.len(), b.len());
+        for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+            assert_eq!(p.qs, q.qs, "block {i}");
+            assert_eq!(
+                (p.d.to_bits(), p.s.to_bits()),
+                (q.d.to_bits(), q.s.to_bits()),
+                "block {i}"
+            );
         }
     }
 }

@@ -1,0 +1,265 @@
+//! Quantized weights times a batch of x rows on the AMX tile unit (AMX-INT8).
+//!
+//! One tile multiply (`tdpbssd` for Q8_0's signed weights, `tdpbusd` for Q4_1's unsigned
+//! nibbles) takes one 32-value block of 16 weight rows and the same block of 16 x rows and gives
+//! their 256 integer dot products: 16 x 16 x 32 multiply-adds in one instruction, where the AVX2
+//! kernel does 32 per `vpmaddubsw` pair. The block's scales then apply in AVX-512: each weight
+//! row's products, one i32 per x row, are widened and multiplied by `d_w * d_x` (and Q4_1's
+//! `m_w * s_x` added), and summed over the row's blocks in f32. After the last block the
+//! 16 x 16 sums are transposed so each x row's 16 outputs are stored together.
+//!
+//! The weight tile is read where it lies: a Q8_0 block's 32 values are contiguous, so 16 rows of
+//! block `b` are one strided tile load from the GGUF layout. Q4_1's nibbles are unpacked to bytes
+//! first, once per 16 rows for all x rows. The x rows are packed once per call on the calling
+//! thread ([`pack_x`]): the tile multiply wants its right-hand tile as 8 rows of 64 bytes, row g
+//! holding values `4g..4g + 4` of each of the 16 x rows in turn.
+//!
+//! The arithmetic is the AVX2 kernel's: the same quantized x, exact integer block sums, f32
+//! scaling; only the order in which the f32 sums are added differs.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+use super::quant::{BlockQ8x, QDot};
+use super::Dims;
+use crate::quant::QK;
+
+/// x rows per packed group (the tile's 16 i32 columns).
+pub(super) const GROUP: usize = 16;
+
+/// Weight rows per tile multiply.
+const ROWS: usize = 16;
+
+/// One block (32 values) of a group of 16 x rows, as the tile multiply reads it, with the rows'
+/// scales: `qs[g][4 * r + t]` is value `4g + t` of row `r`; rows past the batch are zero.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct PackedX {
+    qs: [[i8; 64]; 8],
+    d: [f32; GROUP],
+    s: [f32; GROUP],
+}
+
+/// Packs `m` quantized x rows of `nb` blocks into `out`: group `g`, block `b` at `g * nb + b`.
+pub(super) fn pack_x(xq: &[BlockQ8x], m: usize, nb: usize, out: &mut Vec<PackedX>) {
+    let groups = m.div_ceil(GROUP);
+    out.clear();
+    out.resize(
+        groups * nb,
+        PackedX {
+            qs: [[0; 64]; 8],
+            d: [0.0; GROUP],
+            s: [0.0; GROUP],
+        },
+    );
+    for row in 0..m {
+        let (g, r) = (row / GROUP, row % GROUP);
+        for b in 0..nb {
+            let x = &xq[row * nb + b];
+            let p = &mut out[g * nb + b];
+            for (gg, qrow) in p.qs.iter_mut().enumerate() {
+                qrow[4 * r..4 * r + 4].copy_from_slice(&x.qs[4 * gg..4 * gg + 4]);
+            }
+            p.d[r] = x.d;
+            p.s[r] = x.s;
+        }
+    }
+}
+
+thread_local! {
+    /// Per thread: the 16 weight rows' scales `[nb][16]` (d, then m), and Q4_1's unpacked bytes.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// The tile configuration: tmm0/tmm1 the 16 x 16 i32 products, tmm2/tmm3 16 weight rows of 32
+/// bytes, tmm4/tmm5 the packed x block (8 rows of 64 bytes). Two of each, for two blocks in
+/// flight.
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+impl TileConfig {
+    fn new() -> Self {
+        let mut c = TileConfig {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [0; 16],
+            rows: [0; 16],
+        };
+        for (t, (colsb, rows)) in [(64, 16), (64, 16), (32, 16), (32, 16), (64, 8), (64, 8)]
+            .into_iter()
+            .enumerate()
+        {
+            c.colsb[t] = colsb;
+            c.rows[t] = rows;
+        }
+        c
+    }
+}
+
+/// Columns `n0..n1` (`n1 - n0` a multiple of 16) of `out = x @ w^T`, x packed by [`pack_x`].
+///
+/// # Safety
+/// The CPU must have AVX-512F/BW and AMX-INT8, with the tile state enabled for this process
+/// ([`crate::cpu::Isa::Amx`] is only chosen then). `xp` holds `ceil(m / 16) * nb` packed blocks,
+/// `w` holds `n * nb` blocks, and `out` points to `m * n` f32s of which this call may write
+/// columns `n0..n1`.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn gemm<B: QDot>(
+    xp: &[PackedX],
+    w: &[B],
+    d: Dims,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+) {
+    let nb = d.k / QK;
+    debug_assert!((n1 - n0).is_multiple_of(ROWS) && xp.len() >= d.m.div_ceil(GROUP) * nb);
+    let cfg = TileConfig::new();
+    SCRATCH.with(|cell| {
+        let (scales, bytes) = &mut *cell.borrow_mut();
+        scales.resize(2 * nb * ROWS, 0.0);
+        // SAFETY (whole block): the shapes per the caller; the tile instructions read and write
+        // only the buffers named (tile loads of 16 rows of 32 bytes at the given stride inside
+        // `w` or `bytes`, 8 rows of 64 bytes inside one PackedX, stores of 16 rows of 64 bytes
+        // into `c`), and AMX is enabled per the caller.
+        unsafe {
+            asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly));
+            let mut c = Products([[0; GROUP]; 2 * ROWS]);
+            let mut j = n0;
+            while j < n1 {
+                let wt = w.as_ptr().add(j * nb);
+                let (dw, mw) = scales.split_at_mut(nb * ROWS);
+                B::amx_scales(wt, nb, dw.as_mut_ptr(), mw.as_mut_ptr());
+                let (a, block_step, stride) = B::amx_stage(wt, nb, bytes);
+                for g in 0..d.m.div_ceil(GROUP) {
+                    let xg = xp.as_ptr().add(g * nb);
+                    let mut acc = [_mm512_setzero_ps(); ROWS];
+                    let mut b = 0;
+                    while b < nb {
+                        // Two blocks per tile pass, one for an odd last block.
+                        let blocks = (nb - b).min(2);
+                        let at = a.add(b * block_step);
+                        if blocks == 2 {
+                            tile_products::<B, 2>(at, stride, block_step, xg.add(b), &mut c);
+                        } else {
+                            tile_products::<B, 1>(at, stride, block_step, xg.add(b), &mut c);
+                        }
+                        for t in 0..blocks {
+                            let p = &c.0[t * ROWS..(t + 1) * ROWS];
+                            scale_block::<B>(p, &*xg.add(b + t), dw, mw, b + t, &mut acc);
+                        }
+                        b += blocks;
+                    }
+                    // acc[jj] holds weight row j + jj's outputs for the group's x rows; after
+                    // the transpose acc[r] holds x row r's 16 outputs.
+                    super::avx512::transpose16(&mut acc);
+                    for (r, v) in acc.iter().enumerate().take(d.m - g * GROUP).take(GROUP) {
+                        _mm512_storeu_ps(out.add((g * GROUP + r) * d.n + j), *v);
+                    }
+                }
+                j += ROWS;
+            }
+            asm!("tilerelease", options(nostack, nomem));
+        }
+    });
+}
+
+/// Two blocks' 16 x 16 i32 products, one weight row per 16 values.
+#[repr(C, align(64))]
+struct Products([[i32; GROUP]; 2 * ROWS]);
+
+/// The products of `N` (1 or 2) consecutive blocks of the staged weight tile at `a` (rows
+/// `stride` bytes apart, blocks `block_step` apart) and the packed x blocks at `x` into `c`.
+#[inline(always)]
+unsafe fn tile_products<B: QDot, const N: usize>(
+    a: *const u8,
+    stride: usize,
+    block_step: usize,
+    x: *const PackedX,
+    c: &mut Products,
+) {
+    let c0 = c.0.as_mut_ptr().cast::<u8>();
+    // One block: load its weight and x tiles, multiply with `$op` into tmm0, store to c.
+    macro_rules! one {
+        ($op:literal) => {
+            asm!(
+                "tileloadd tmm2, [{a} + {s}*1]",
+                "tileloadd tmm4, [{x} + {xs}*1]",
+                "tilezero tmm0",
+                concat!($op, " tmm0, tmm2, tmm4"),
+                "tilestored [{c} + {cs}*1], tmm0",
+                a = in(reg) a, s = in(reg) stride, x = in(reg) x, xs = in(reg) 64usize,
+                c = in(reg) c0, cs = in(reg) 64usize,
+                options(nostack),
+            )
+        };
+    }
+    // Two consecutive blocks, in tmm0 and tmm1, stored one after the other.
+    macro_rules! two {
+        ($op:literal) => {
+            asm!(
+                "tileloadd tmm2, [{a} + {s}*1]",
+                "tileloadd tmm3, [{a2} + {s}*1]",
+                "tileloadd tmm4, [{x} + {xs}*1]",
+                "tileloadd tmm5, [{x2} + {xs}*1]",
+                "tilezero tmm0",
+                "tilezero tmm1",
+                concat!($op, " tmm0, tmm2, tmm4"),
+                concat!($op, " tmm1, tmm3, tmm5"),
+                "tilestored [{c} + {cs}*1], tmm0",
+                "tilestored [{c2} + {cs}*1], tmm1",
+                a = in(reg) a, a2 = in(reg) a.add(block_step), s = in(reg) stride,
+                x = in(reg) x, x2 = in(reg) x.add(1), xs = in(reg) 64usize,
+                c = in(reg) c0, c2 = in(reg) c0.add(ROWS * 64), cs = in(reg) 64usize,
+                options(nostack),
+            )
+        };
+    }
+    // SAFETY: per `gemm`: the staged tile holds 16 rows of 32 bytes for each block read, the
+    // packed blocks exist, and `c` has room for N tiles of 16 rows of 64 bytes.
+    unsafe {
+        match (N, B::AMX_SIGNED) {
+            (2, true) => two!("tdpbssd"),
+            (2, false) => two!("tdpbusd"),
+            (_, true) => one!("tdpbssd"),
+            (_, false) => one!("tdpbusd"),
+        }
+    }
+}
+
+/// Adds block `b`'s scaled products to `acc`: `acc[jj] += p[jj] * d_x * d_w[jj]` (plus
+/// `m_w[jj] * s_x` for Q4_1), lanes the group's x rows.
+#[inline(always)]
+unsafe fn scale_block<B: QDot>(
+    p: &[[i32; GROUP]],
+    x: &PackedX,
+    dw: &[f32],
+    mw: &[f32],
+    b: usize,
+    acc: &mut [__m512; ROWS],
+) {
+    // SAFETY: AVX-512F per `gemm`; p has 16 rows of 16 i32, dw/mw hold [nb][16].
+    unsafe {
+        let dx = _mm512_loadu_ps(x.d.as_ptr());
+        let sx = _mm512_loadu_ps(x.s.as_ptr());
+        for (jj, a) in acc.iter_mut().enumerate() {
+            let prod = _mm512_cvtepi32_ps(_mm512_loadu_si512(p[jj].as_ptr().cast()));
+            *a = _mm512_fmadd_ps(
+                _mm512_mul_ps(prod, dx),
+                _mm512_set1_ps(*dw.get_unchecked(b * ROWS + jj)),
+                *a,
+            );
+            if B::HAS_OFFSET {
+                *a = _mm512_fmadd_ps(sx, _mm512_set1_ps(*mw.get_unchecked(b * ROWS + jj)), *a);
+            }
+        }
+    }
+}
