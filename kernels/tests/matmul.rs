@@ -8,6 +8,7 @@
 mod common;
 
 use common::{backends, random, rng, round, weight_data};
+use kvgate_kernels::cpu::AVX2_GEMV_MAX_ROWS;
 use kvgate_kernels::{Backend, Cpu, DType};
 
 fn check(cpu: &Cpu, seed: u64, m: usize, n: usize, k: usize, dtype: DType, bias: bool) {
@@ -55,6 +56,9 @@ fn gemv_shapes() {
                 (1, 7, 15),
                 (2, 33, 17),
                 (8, 9, 64),
+                // Batches of decodes: the AVX2 kernels' GEMV takes up to 64 rows.
+                (32, 20, 576),
+                (AVX2_GEMV_MAX_ROWS, 9, 64),
             ] {
                 for bias in [false, true] {
                     check(&cpu, 1, m, n, k, dtype, bias);
@@ -68,7 +72,15 @@ fn gemv_shapes() {
 fn gemm_shapes() {
     for cpu in backends() {
         for dtype in [DType::F32, DType::F16, DType::BF16] {
-            for &(m, n, k) in &[(64, 577, 64), (64, 96, 577), (9, 33, 300), (29, 31, 1)] {
+            for &(m, n, k) in &[
+                (64, 577, 64),
+                (64, 96, 577),
+                (9, 33, 300),
+                (29, 31, 1),
+                // Past the AVX2 kernels' GEMV rows too.
+                (AVX2_GEMV_MAX_ROWS + 1, 40, 300),
+                (AVX2_GEMV_MAX_ROWS + 7, 577, 64),
+            ] {
                 for bias in [false, true] {
                     check(&cpu, 2, m, n, k, dtype, bias);
                 }

@@ -226,7 +226,7 @@ unsafe fn tile_products<B: QDot, const N: usize>(
     // SAFETY: per `gemm`: the staged tile holds 16 rows of 32 bytes for each block read, the
     // packed blocks exist, and `c` has room for N tiles of 16 rows of 64 bytes.
     unsafe {
-        match (N, B::AMX_SIGNED) {
+        match (N, B::SIGNED) {
             (2, true) => two!("tdpbssd"),
             (2, false) => two!("tdpbusd"),
             (_, true) => one!("tdpbssd"),

@@ -137,9 +137,10 @@ pub(crate) trait QDot: QuantBlock {
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(&self, off: usize) -> std::arch::x86_64::__m256;
 
-    /// Whether the AMX tile multiply takes the weights as signed bytes (Q8_0) or unsigned
-    /// (Q4_1's nibbles).
-    const AMX_SIGNED: bool;
+    /// Whether [`QDot::weights256`]'s bytes are signed (Q8_0) or unsigned (Q4_1's nibbles): the
+    /// batched kernels multiply them with `vpmaddubsw` (after moving the sign onto x) or
+    /// `tdpbssd`, and `vpmaddubsw` directly or `tdpbusd`.
+    const SIGNED: bool;
 
     /// The 16 rows of `nb` blocks at `w` as the AMX tile loads read them: block `b` of the 16
     /// rows is 16 rows of 32 bytes at `base + b * block_step`, `stride` bytes apart. Returns
@@ -222,7 +223,7 @@ impl QDot for BlockQ8_0 {
         }
     }
 
-    const AMX_SIGNED: bool = true;
+    const SIGNED: bool = true;
 
     #[cfg(target_arch = "x86_64")]
     unsafe fn amx_stage(w: *const Self, nb: usize, _: &mut Vec<u8>) -> (*const u8, usize, usize) {
@@ -310,7 +311,7 @@ impl QDot for BlockQ4_1 {
         }
     }
 
-    const AMX_SIGNED: bool = false;
+    const SIGNED: bool = false;
 
     #[cfg(target_arch = "x86_64")]
     unsafe fn amx_stage(
@@ -438,7 +439,7 @@ pub(super) unsafe fn gemv_range<B: QDot>(
         unsafe {
             super::amx::gemm(xp, w, d, n0, tiles, out.0);
             if tiles < n1 {
-                gemv_avx2(xq, w, d, tiles, n1, out.0);
+                avx2_range(xq, w, d, tiles, n1, out.0);
             }
         }
         return;
@@ -447,7 +448,7 @@ pub(super) unsafe fn gemv_range<B: QDot>(
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Portable {
         // SAFETY: every ISA above Portable has AVX2/FMA/F16C; shapes per the caller.
-        unsafe { gemv_avx2(xq, w, d, n0, n1, out.0) };
+        unsafe { avx2_range(xq, w, d, n0, n1, out.0) };
         return;
     }
     let _ = isa;
@@ -517,6 +518,206 @@ impl<B: QDot> super::avx2::PanelRows for Rows<'_, B> {
         let mut vals = [0.0f32; QK];
         self.w[j * self.nb + p / QK].dequantize(&mut vals);
         vals[p % QK]
+    }
+}
+
+/// From this many x rows the AVX2 kernel stages each tile of weight rows once ([`Stage`]) and
+/// multiplies every x row by the staged copy; fewer rows stream the weights ([`gemv_avx2`]).
+pub(super) const STAGED_MIN_ROWS: usize = 4;
+
+/// Columns `n0..n1` of `out = x @ w^T` with AVX2, staged or streamed by the number of rows.
+///
+/// # Safety
+/// As for [`gemv_avx2`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn avx2_range<B: QDot>(
+    xq: &[BlockQ8x],
+    w: &[B],
+    d: Dims,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+) {
+    if d.m >= STAGED_MIN_ROWS {
+        // SAFETY: forwarded from the caller.
+        STAGE
+            .with(|cell| unsafe { gemm_staged_avx2(&mut cell.borrow_mut(), xq, w, d, n0, n1, out) })
+    } else {
+        // SAFETY: forwarded from the caller.
+        unsafe { gemv_avx2(xq, w, d, n0, n1, out) }
+    }
+}
+
+/// Weight rows per staged tile.
+#[cfg(target_arch = "x86_64")]
+const STAGED_COLS: usize = 4;
+
+/// One tile of [`STAGED_COLS`] weight rows as the staged kernel reads it, block-major
+/// (`[b * STAGED_COLS + c]` for row c's block b): the 32 weights as bytes ready for
+/// `vpmaddubsw` (Q4_1's nibbles unpacked, Q8_0's magnitudes), Q8_0's signed bytes (which move
+/// their sign onto x), and the scales and offsets widened to f32.
+#[cfg(target_arch = "x86_64")]
+#[derive(Default)]
+struct Stage {
+    bytes: Vec<std::arch::x86_64::__m256i>,
+    signs: Vec<std::arch::x86_64::__m256i>,
+    d: Vec<f32>,
+    m: Vec<f32>,
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    static STAGE: RefCell<Stage> = RefCell::new(Stage::default());
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Stage {
+    /// Stages the `STAGED_COLS` rows of `nb` blocks at `w`, and prefetches the `next` tile's
+    /// bytes into L2 while the x rows are multiplied by this one.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn fill<B: QDot>(&mut self, w: *const B, nb: usize, next: bool) {
+        use std::arch::x86_64::*;
+        let len = nb * STAGED_COLS;
+        self.bytes.resize(len, _mm256_setzero_si256());
+        self.d.resize(len, 0.0);
+        self.m.resize(len, 0.0);
+        if B::SIGNED {
+            self.signs.resize(len, _mm256_setzero_si256());
+        }
+        // SAFETY: w holds STAGED_COLS rows of nb blocks per the caller; AVX2/F16C likewise.
+        unsafe {
+            for c in 0..STAGED_COLS {
+                for b in 0..nb {
+                    let blk = &*w.add(c * nb + b);
+                    let (q, sc) = (blk.weights256(), blk.scales128());
+                    let at = b * STAGED_COLS + c;
+                    if B::SIGNED {
+                        self.bytes[at] = _mm256_sign_epi8(q, q);
+                        self.signs[at] = q;
+                    } else {
+                        self.bytes[at] = q;
+                    }
+                    self.d[at] = _mm_cvtss_f32(sc);
+                    self.m[at] = _mm_cvtss_f32(_mm_movehdup_ps(sc));
+                }
+            }
+            if next {
+                let bytes = len * std::mem::size_of::<B>();
+                let mut next = super::NextTile::new(w, bytes, true);
+                next.keep_up(bytes);
+            }
+        }
+    }
+}
+
+/// Columns `n0..n1` of `out = x @ w^T` for a batch of x rows: each tile of 4 weight rows is
+/// staged once ([`Stage`]: unpacked, scales widened), then multiplied by 2 x rows at a time.
+/// Per block pair that leaves `vpmaddubsw`, `vpmaddwd`, the conversion and one scaled add (Q8_0
+/// adds a `vpsignb`); Q4_1's offsets `m_w * s_x` are summed apart, 4 weight rows per add.
+///
+/// # Safety
+/// As for [`gemv_avx2`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_staged_avx2<B: QDot>(
+    stage: &mut Stage,
+    xq: &[BlockQ8x],
+    w: &[B],
+    d: Dims,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+) {
+    let nb = d.k / QK;
+    let tiles = n0 + (n1 - n0) / STAGED_COLS * STAGED_COLS;
+    let mut j = n0;
+    // SAFETY: rows i..i+2 of xq and j..j+4 of w exist (nb blocks each); out is valid per the
+    // caller; AVX2/FMA/F16C per the caller.
+    unsafe {
+        while j < tiles {
+            stage.fill(w.as_ptr().add(j * nb), nb, j + STAGED_COLS < tiles);
+            let mut i = 0;
+            while i < d.m {
+                let (xt, ot) = (xq.as_ptr().add(i * nb), out.add(i * d.n + j));
+                if d.m - i >= 2 {
+                    staged_tile::<B, 2>(xt, stage, nb, ot, d.n);
+                    i += 2;
+                } else {
+                    staged_tile::<B, 1>(xt, stage, nb, ot, d.n);
+                    i += 1;
+                }
+            }
+            j += STAGED_COLS;
+        }
+        if tiles < n1 {
+            gemv_avx2(xq, w, d, tiles, n1, out);
+        }
+    }
+}
+
+/// `out[r * ldo + c] = dot(x row r, staged row c)` for `R` x rows and the staged tile.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+// Indexed loops: each staged block stays in a register while it meets every x row.
+#[allow(clippy::needless_range_loop)]
+unsafe fn staged_tile<B: QDot, const R: usize>(
+    x: *const BlockQ8x,
+    stage: &Stage,
+    nb: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    use crate::cpu::simd::hsum256;
+    use std::arch::x86_64::*;
+    const C: usize = STAGED_COLS;
+    // SAFETY (whole body): the caller guarantees R rows of x of nb blocks, a staged tile of
+    // nb blocks, an R x C output tile at `out` with row stride `ldo`, and AVX2/FMA/F16C.
+    unsafe {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        // Few values live beside the 8 accumulators (the x bytes, the constant), so that none
+        // of them spills: the scales are broadcast from memory where they are used.
+        for b in 0..nb {
+            let mut xv = [_mm256_setzero_si256(); R];
+            for (r, v) in xv.iter_mut().enumerate() {
+                *v = _mm256_loadu_si256((*x.add(r * nb + b)).qs.as_ptr().cast());
+            }
+            for c in 0..C {
+                let at = b * C + c;
+                let wb = *stage.bytes.get_unchecked(at);
+                for r in 0..R {
+                    let q = if B::SIGNED {
+                        _mm256_sign_epi8(xv[r], *stage.signs.get_unchecked(at))
+                    } else {
+                        xv[r]
+                    };
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wb, q), ones);
+                    let scale = _mm256_mul_ps(
+                        _mm256_broadcast_ss(stage.d.get_unchecked(at)),
+                        _mm256_broadcast_ss(&(*x.add(r * nb + b)).d),
+                    );
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r][c]);
+                }
+            }
+        }
+        // Q4_1's offsets for the 4 weight rows, per x row: `sum_b m_w * s_x`.
+        let mut offsets = [_mm_setzero_ps(); R];
+        if B::HAS_OFFSET {
+            for (r, off) in offsets.iter_mut().enumerate() {
+                for b in 0..nb {
+                    let m = _mm_loadu_ps(stage.m.as_ptr().add(b * C));
+                    *off = _mm_fmadd_ps(m, _mm_set1_ps((*x.add(r * nb + b)).s), *off);
+                }
+            }
+        }
+        for r in 0..R {
+            let mut offs = [0.0f32; C];
+            _mm_storeu_ps(offs.as_mut_ptr(), offsets[r]);
+            for c in 0..C {
+                *out.add(r * ldo + c) = hsum256(acc[r][c]) + offs[c];
+            }
+        }
     }
 }
 
