@@ -263,3 +263,53 @@ unsafe fn scale_block<B: QDot>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packing_puts_value_4g_plus_t_of_row_r_at_4r_plus_t_of_tile_row_g() {
+        // Packing is plain Rust, so this runs on any x86_64 CPU, AMX or not. 19 rows: one full
+        // group and a partial one whose missing rows must be zeros.
+        let (m, nb) = (19, 2);
+        let xq: Vec<BlockQ8x> = (0..m * nb)
+            .map(|i| BlockQ8x {
+                qs: std::array::from_fn(|v| ((i * 31 + v * 7) % 255) as i8),
+                d: i as f32 + 0.5,
+                s: -(i as f32),
+            })
+            .collect();
+        let mut packed = Vec::new();
+        pack_x(&xq, m, nb, &mut packed);
+        assert_eq!(packed.len(), 2 * nb);
+        for (g, b) in (0..2).flat_map(|g| (0..nb).map(move |b| (g, b))) {
+            let p = &packed[g * nb + b];
+            for r in 0..GROUP {
+                let row = g * GROUP + r;
+                let (want_d, want_s) = if row < m {
+                    (xq[row * nb + b].d, xq[row * nb + b].s)
+                } else {
+                    (0.0, 0.0)
+                };
+                assert_eq!(
+                    (p.d[r], p.s[r]),
+                    (want_d, want_s),
+                    "group {g} block {b} row {r}"
+                );
+                for (tile_row, t) in (0..8).flat_map(|gg| (0..4).map(move |t| (gg, t))) {
+                    let want = if row < m {
+                        xq[row * nb + b].qs[4 * tile_row + t]
+                    } else {
+                        0
+                    };
+                    assert_eq!(
+                        p.qs[tile_row][4 * r + t],
+                        want,
+                        "group {g} block {b} row {r}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -20,6 +20,9 @@ use crate::cpu::simd::Isa;
 use crate::quant::{BlockQ4_1, BlockQ8_0, QuantBlock, QK};
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
 /// 32 activations quantized to 8 bits: `x ~ d * qs`, and `s = d * sum(qs)`.
 #[derive(Debug, Clone, Copy, Default)]
 #[repr(C)]
@@ -147,7 +150,7 @@ pub(crate) trait QDot: QuantBlock {
     /// `(base, block_step, stride)`; formats stored otherwise are unpacked into `bytes`.
     ///
     /// # Safety
-    /// `w` must point to 16 rows of `nb` blocks.
+    /// `w` must point to 16 rows of `nb` blocks, and the CPU must support AVX2.
     #[cfg(target_arch = "x86_64")]
     unsafe fn amx_stage(
         w: *const Self,
@@ -314,29 +317,22 @@ impl QDot for BlockQ4_1 {
     const SIGNED: bool = false;
 
     #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
     unsafe fn amx_stage(
         w: *const Self,
         nb: usize,
         bytes: &mut Vec<u8>,
     ) -> (*const u8, usize, usize) {
-        // Block b of row r at bytes[(b * 16 + r) * 32..]: its 16 low nibbles (values 0..16),
-        // then its 16 high ones.
-        use std::arch::x86_64::*;
+        // Block b of row r at bytes[(b * 16 + r) * 32..], in value order (weights256).
         bytes.resize(nb * 16 * QK, 0);
         let out = bytes.as_mut_ptr();
         for r in 0..16 {
             for b in 0..nb {
-                // SAFETY: per the caller, 16 rows of nb blocks; the 32 bytes written are block
-                // b of row r in `bytes` (16 * nb blocks of 32). SSE2 is part of x86_64.
+                // SAFETY: per the caller, 16 rows of nb blocks and AVX2 (the AMX kernel runs
+                // with AVX-512); the 32 bytes written are block b of row r in `bytes`.
                 unsafe {
-                    let q = _mm_loadu_si128((*w.add(r * nb + b)).qs.as_ptr().cast());
-                    let nibble = _mm_set1_epi8(15);
-                    let dst = out.add((b * 16 + r) * QK);
-                    _mm_storeu_si128(dst.cast(), _mm_and_si128(q, nibble));
-                    _mm_storeu_si128(
-                        dst.add(QK / 2).cast(),
-                        _mm_and_si128(_mm_srli_epi16::<4>(q), nibble),
-                    );
+                    let q = (*w.add(r * nb + b)).weights256();
+                    std::arch::x86_64::_mm256_storeu_si256(out.add((b * 16 + r) * QK).cast(), q);
                 }
             }
         }
@@ -439,7 +435,7 @@ pub(super) unsafe fn gemv_range<B: QDot>(
         unsafe {
             super::amx::gemm(xp, w, d, n0, tiles, out.0);
             if tiles < n1 {
-                avx2_range(xq, w, d, tiles, n1, out.0);
+                avx2::range(xq, w, d, tiles, n1, out.0);
             }
         }
         return;
@@ -448,7 +444,7 @@ pub(super) unsafe fn gemv_range<B: QDot>(
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Portable {
         // SAFETY: every ISA above Portable has AVX2/FMA/F16C; shapes per the caller.
-        unsafe { avx2_range(xq, w, d, n0, n1, out.0) };
+        unsafe { avx2::range(xq, w, d, n0, n1, out.0) };
         return;
     }
     let _ = isa;
@@ -521,299 +517,59 @@ impl<B: QDot> super::avx2::PanelRows for Rows<'_, B> {
     }
 }
 
-/// From this many x rows the AVX2 kernel stages each tile of weight rows once ([`Stage`]) and
-/// multiplies every x row by the staged copy; fewer rows stream the weights ([`gemv_avx2`]).
-pub(super) const STAGED_MIN_ROWS: usize = 4;
-
-/// Columns `n0..n1` of `out = x @ w^T` with AVX2, staged or streamed by the number of rows.
-///
-/// # Safety
-/// As for [`gemv_avx2`].
-#[cfg(target_arch = "x86_64")]
-unsafe fn avx2_range<B: QDot>(
-    xq: &[BlockQ8x],
-    w: &[B],
-    d: Dims,
-    n0: usize,
-    n1: usize,
-    out: *mut f32,
-) {
-    if d.m >= STAGED_MIN_ROWS {
-        // SAFETY: forwarded from the caller.
-        STAGE
-            .with(|cell| unsafe { gemm_staged_avx2(&mut cell.borrow_mut(), xq, w, d, n0, n1, out) })
-    } else {
-        // SAFETY: forwarded from the caller.
-        unsafe { gemv_avx2(xq, w, d, n0, n1, out) }
-    }
-}
-
-/// Weight rows per staged tile.
-#[cfg(target_arch = "x86_64")]
-const STAGED_COLS: usize = 4;
-
-/// One tile of [`STAGED_COLS`] weight rows as the staged kernel reads it, block-major
-/// (`[b * STAGED_COLS + c]` for row c's block b): the 32 weights as bytes ready for
-/// `vpmaddubsw` (Q4_1's nibbles unpacked, Q8_0's magnitudes), Q8_0's signed bytes (which move
-/// their sign onto x), and the scales and offsets widened to f32.
-#[cfg(target_arch = "x86_64")]
-#[derive(Default)]
-struct Stage {
-    bytes: Vec<std::arch::x86_64::__m256i>,
-    signs: Vec<std::arch::x86_64::__m256i>,
-    d: Vec<f32>,
-    m: Vec<f32>,
-}
-
-#[cfg(target_arch = "x86_64")]
-thread_local! {
-    static STAGE: RefCell<Stage> = RefCell::new(Stage::default());
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Stage {
-    /// Stages the `STAGED_COLS` rows of `nb` blocks at `w`, and prefetches the `next` tile's
-    /// bytes into L2 while the x rows are multiplied by this one.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn fill<B: QDot>(&mut self, w: *const B, nb: usize, next: bool) {
-        use std::arch::x86_64::*;
-        let len = nb * STAGED_COLS;
-        self.bytes.resize(len, _mm256_setzero_si256());
-        self.d.resize(len, 0.0);
-        self.m.resize(len, 0.0);
-        if B::SIGNED {
-            self.signs.resize(len, _mm256_setzero_si256());
-        }
-        // SAFETY: w holds STAGED_COLS rows of nb blocks per the caller; AVX2/F16C likewise.
-        unsafe {
-            for c in 0..STAGED_COLS {
-                for b in 0..nb {
-                    let blk = &*w.add(c * nb + b);
-                    let (q, sc) = (blk.weights256(), blk.scales128());
-                    let at = b * STAGED_COLS + c;
-                    if B::SIGNED {
-                        self.bytes[at] = _mm256_sign_epi8(q, q);
-                        self.signs[at] = q;
-                    } else {
-                        self.bytes[at] = q;
-                    }
-                    self.d[at] = _mm_cvtss_f32(sc);
-                    self.m[at] = _mm_cvtss_f32(_mm_movehdup_ps(sc));
-                }
-            }
-            if next {
-                let bytes = len * std::mem::size_of::<B>();
-                let mut next = super::NextTile::new(w, bytes, true);
-                next.keep_up(bytes);
-            }
-        }
-    }
-}
-
-/// Columns `n0..n1` of `out = x @ w^T` for a batch of x rows: each tile of 4 weight rows is
-/// staged once ([`Stage`]: unpacked, scales widened), then multiplied by 2 x rows at a time.
-/// Per block pair that leaves `vpmaddubsw`, `vpmaddwd`, the conversion and one scaled add (Q8_0
-/// adds a `vpsignb`); Q4_1's offsets `m_w * s_x` are summed apart, 4 weight rows per add.
-///
-/// # Safety
-/// As for [`gemv_avx2`].
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_staged_avx2<B: QDot>(
-    stage: &mut Stage,
-    xq: &[BlockQ8x],
-    w: &[B],
-    d: Dims,
-    n0: usize,
-    n1: usize,
-    out: *mut f32,
-) {
-    let nb = d.k / QK;
-    let tiles = n0 + (n1 - n0) / STAGED_COLS * STAGED_COLS;
-    let mut j = n0;
-    // SAFETY: rows i..i+2 of xq and j..j+4 of w exist (nb blocks each); out is valid per the
-    // caller; AVX2/FMA/F16C per the caller.
-    unsafe {
-        while j < tiles {
-            stage.fill(w.as_ptr().add(j * nb), nb, j + STAGED_COLS < tiles);
-            let mut i = 0;
-            while i < d.m {
-                let (xt, ot) = (xq.as_ptr().add(i * nb), out.add(i * d.n + j));
-                if d.m - i >= 2 {
-                    staged_tile::<B, 2>(xt, stage, nb, ot, d.n);
-                    i += 2;
-                } else {
-                    staged_tile::<B, 1>(xt, stage, nb, ot, d.n);
-                    i += 1;
-                }
-            }
-            j += STAGED_COLS;
-        }
-        if tiles < n1 {
-            gemv_avx2(xq, w, d, tiles, n1, out);
-        }
-    }
-}
-
-/// `out[r * ldo + c] = dot(x row r, staged row c)` for `R` x rows and the staged tile.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-// Indexed loops: each staged block stays in a register while it meets every x row.
-#[allow(clippy::needless_range_loop)]
-unsafe fn staged_tile<B: QDot, const R: usize>(
-    x: *const BlockQ8x,
-    stage: &Stage,
-    nb: usize,
-    out: *mut f32,
-    ldo: usize,
-) {
-    use crate::cpu::simd::hsum256;
-    use std::arch::x86_64::*;
-    const C: usize = STAGED_COLS;
-    // SAFETY (whole body): the caller guarantees R rows of x of nb blocks, a staged tile of
-    // nb blocks, an R x C output tile at `out` with row stride `ldo`, and AVX2/FMA/F16C.
-    unsafe {
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [[_mm256_setzero_ps(); C]; R];
-        // Few values live beside the 8 accumulators (the x bytes, the constant), so that none
-        // of them spills: the scales are broadcast from memory where they are used.
-        for b in 0..nb {
-            let mut xv = [_mm256_setzero_si256(); R];
-            for (r, v) in xv.iter_mut().enumerate() {
-                *v = _mm256_loadu_si256((*x.add(r * nb + b)).qs.as_ptr().cast());
-            }
-            for c in 0..C {
-                let at = b * C + c;
-                let wb = *stage.bytes.get_unchecked(at);
-                for r in 0..R {
-                    let q = if B::SIGNED {
-                        _mm256_sign_epi8(xv[r], *stage.signs.get_unchecked(at))
-                    } else {
-                        xv[r]
-                    };
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wb, q), ones);
-                    let scale = _mm256_mul_ps(
-                        _mm256_broadcast_ss(stage.d.get_unchecked(at)),
-                        _mm256_broadcast_ss(&(*x.add(r * nb + b)).d),
-                    );
-                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r][c]);
-                }
-            }
-        }
-        // Q4_1's offsets for the 4 weight rows, per x row: `sum_b m_w * s_x`.
-        let mut offsets = [_mm_setzero_ps(); R];
-        if B::HAS_OFFSET {
-            for (r, off) in offsets.iter_mut().enumerate() {
-                for b in 0..nb {
-                    let m = _mm_loadu_ps(stage.m.as_ptr().add(b * C));
-                    *off = _mm_fmadd_ps(m, _mm_set1_ps((*x.add(r * nb + b)).s), *off);
-                }
-            }
-        }
-        for r in 0..R {
-            let mut offs = [0.0f32; C];
-            _mm_storeu_ps(offs.as_mut_ptr(), offsets[r]);
-            for c in 0..C {
-                *out.add(r * ldo + c) = hsum256(acc[r][c]) + offs[c];
-            }
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn gemv_avx2<B: QDot>(
-    xq: &[BlockQ8x],
-    w: &[B],
-    d: Dims,
-    n0: usize,
-    n1: usize,
-    out: *mut f32,
-) {
-    let nb = d.k / QK;
-    let (xp, wp) = (xq.as_ptr(), w.as_ptr());
-    let mut j = n0;
-    while j < n1 {
-        let nr = if n1 - j >= 4 { 4 } else { 1 };
-        let mut i = 0;
-        while i < d.m {
-            let mr = (d.m - i).min(2);
-            // SAFETY: rows i..i+mr of xq and j..j+nr of w exist (nb blocks each); out is
-            // valid per the caller.
-            unsafe {
-                let (xt, wt, ot) = (xp.add(i * nb), wp.add(j * nb), out.add(i * d.n + j));
-                match (mr, nr) {
-                    (2, 4) => qtile::<B, 2, 4>(xt, wt, nb, ot, d.n, i == 0),
-                    (1, 4) => qtile::<B, 1, 4>(xt, wt, nb, ot, d.n, i == 0),
-                    (2, _) => qtile::<B, 2, 1>(xt, wt, nb, ot, d.n, i == 0),
-                    _ => qtile::<B, 1, 1>(xt, wt, nb, ot, d.n, i == 0),
-                }
-            }
-            i += mr;
-        }
-        j += nr;
-    }
-}
-
-/// `out[r * ldo + c] = dot(x row r, w row c)` for an `R x C` tile of rows `nb` blocks long.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn qtile<B: QDot, const R: usize, const C: usize>(
-    x: *const BlockQ8x,
-    w: *const B,
-    nb: usize,
-    out: *mut f32,
-    ldo: usize,
-    prefetch: bool,
-) {
-    use crate::cpu::simd::hsum256;
-    use std::arch::x86_64::*;
-    // SAFETY (whole body): the caller guarantees R rows of x and C rows of w, nb blocks each,
-    // an R x C output tile at `out` with row stride `ldo`, and AVX2/FMA/F16C.
-    unsafe {
-        let mut acc = [[_mm256_setzero_ps(); C]; R];
-        let column_bytes = C * std::mem::size_of::<B>();
-        let mut next = super::NextTile::new(w, nb * column_bytes, prefetch);
-        for b in 0..nb {
-            next.keep_up((b + 1) * column_bytes);
-            let mut wv = [_mm256_setzero_si256(); C];
-            let mut sc = [_mm_setzero_ps(); C];
-            for c in 0..C {
-                let blk = &*w.add(c * nb + b);
-                wv[c] = blk.weights256();
-                sc[c] = blk.scales128();
-            }
-            for (r, accr) in acc.iter_mut().enumerate() {
-                let xb = &*x.add(r * nb + b);
-                let xv = _mm256_loadu_si256(xb.qs.as_ptr().cast());
-                // [d_x, s_x, 0, 0]: the two floats after qs.
-                let xds = _mm_castpd_ps(_mm_load_sd((&xb.d as *const f32).cast()));
-                for c in 0..C {
-                    // [d_w * d_x, m_w * s_x, 0, 0].
-                    let prod = _mm_mul_ps(sc[c], xds);
-                    let p = _mm256_cvtepi32_ps(B::idot256(wv[c], xv));
-                    accr[c] = _mm256_fmadd_ps(p, _mm256_broadcastss_ps(prod), accr[c]);
-                    if B::HAS_OFFSET {
-                        // m_w * s_x into lane 0 (the lanes are summed at the end): source
-                        // lane 1 to lane 0, the other lanes zeroed.
-                        let off = _mm_insert_ps::<0b0100_1110>(prod, prod);
-                        accr[c] = _mm256_add_ps(accr[c], _mm256_zextps128_ps256(off));
-                    }
-                }
-            }
-        }
-        for (r, accr) in acc.iter().enumerate() {
-            for (c, &a) in accr.iter().enumerate() {
-                *out.add(r * ldo + c) = hsum256(a);
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// 16 rows of `nb` blocks of `B`, each value distinct enough to catch a misplaced byte.
+    fn rows16<B: QuantBlock>(nb: usize) -> Vec<B> {
+        let x: Vec<f32> = (0..16 * nb * QK)
+            .map(|i| ((i * 7919 % 211) as f32 - 105.0) * 0.031)
+            .collect();
+        crate::quant::quantize(&x)
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_amx_staging_puts_each_weight_and_scale_where_the_tile_loads_read_it() {
+        // Staging and scales are plain AVX2/F16C, so this runs on any CPU with AVX2, AMX or not.
+        if Isa::detect() == Isa::Portable {
+            return;
+        }
+        let nb = 3;
+        let (mut bytes, mut dw, mut mw) = (Vec::new(), vec![0.0; 16 * nb], vec![0.0; 16 * nb]);
+        let q8: Vec<BlockQ8_0> = rows16(nb);
+        let q4: Vec<BlockQ4_1> = rows16(nb);
+        // SAFETY: 16 rows of nb blocks, 16 * nb scales; AVX2/F16C detected above.
+        unsafe {
+            let (base, step, stride) = BlockQ8_0::amx_stage(q8.as_ptr(), nb, &mut bytes);
+            BlockQ8_0::amx_scales(q8.as_ptr(), nb, dw.as_mut_ptr(), mw.as_mut_ptr());
+            for (r, b, i) in
+                (0..16).flat_map(|r| (0..nb).flat_map(move |b| (0..QK).map(move |i| (r, b, i))))
+            {
+                let blk = &q8[r * nb + b];
+                assert_eq!(*base.add(b * step + r * stride + i) as i8, blk.qs[i]);
+                assert_eq!(dw[b * 16 + r], blk.d.to_f32());
+            }
+            let (base, step, stride) = BlockQ4_1::amx_stage(q4.as_ptr(), nb, &mut bytes);
+            BlockQ4_1::amx_scales(q4.as_ptr(), nb, dw.as_mut_ptr(), mw.as_mut_ptr());
+            for (r, b, i) in
+                (0..16).flat_map(|r| (0..nb).flat_map(move |b| (0..QK).map(move |i| (r, b, i))))
+            {
+                let blk = &q4[r * nb + b];
+                let want = if i < QK / 2 {
+                    blk.qs[i] & 15
+                } else {
+                    blk.qs[i - QK / 2] >> 4
+                };
+                assert_eq!(*base.add(b * step + r * stride + i), want);
+                assert_eq!(
+                    (dw[b * 16 + r], mw[b * 16 + r]),
+                    (blk.d.to_f32(), blk.m.to_f32())
+                );
+            }
+        }
+    }
 
     #[test]
     fn the_avx512_quantizer_gives_the_portable_blocks() {
