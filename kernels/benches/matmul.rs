@@ -120,14 +120,18 @@ fn gemm(c: &mut Criterion) {
             b.iter(|| cpu.matmul(&x, &w, None, &mut out))
         });
     }
-    for m in [8, 16, 32] {
-        let w = weight(&cpu, n, k, DType::F32, 1);
-        let x = input(m, k);
-        let mut out = cpu.tensor(m, n);
-        g.throughput(Throughput::Elements((2 * m * n * k) as u64));
-        g.bench_function(BenchmarkId::new("f32", format!("{m}x576x1536")), |b| {
-            b.iter(|| cpu.matmul(&x, &w, None, &mut out))
-        });
+    // Batches of decodes.
+    for dtype in [DType::F32, DType::F16] {
+        let w = weight(&cpu, n, k, dtype, 1);
+        for m in [8, 16, 32] {
+            let x = input(m, k);
+            let mut out = cpu.tensor(m, n);
+            g.throughput(Throughput::Elements((2 * m * n * k) as u64));
+            g.bench_function(
+                BenchmarkId::new(dtype.name(), format!("{m}x576x1536")),
+                |b| b.iter(|| cpu.matmul(&x, &w, None, &mut out)),
+            );
+        }
     }
     g.finish();
 

@@ -47,9 +47,7 @@ thread_local! {
 pub(crate) fn quantize_x(x: &[f32], out: &mut Vec<BlockQ8x>) {
     out.clear();
     out.extend(x.chunks_exact(QK).map(|c| {
-        let amax = c.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let (d, id) = block_scale(c.iter().fold(0.0f32, |a, v| a.max(v.abs())));
         // Round to nearest, ties to even, without a libm call: adding 1.5 * 2^23 leaves no
         // fraction bits (|x * id| <= 127), so the default rounding mode does it.
         const ROUND: f32 = 12_582_912.0;
@@ -63,6 +61,42 @@ pub(crate) fn quantize_x(x: &[f32], out: &mut Vec<BlockQ8x>) {
     }));
 }
 
+/// `d` and `1 / d` of a block whose largest magnitude is `amax` (0 for a block of zeros).
+#[inline(always)]
+fn block_scale(amax: f32) -> (f32, f32) {
+    (amax / 127.0, if amax != 0.0 { 127.0 / amax } else { 0.0 })
+}
+
+/// `x` quantized block by block into `out`: `block` gives a block's bytes, its `d` and the sum
+/// of its bytes (what each instruction set does its own way), and `d` and `s` are rounded
+/// through f16 with F16C, to nearest even as `f16::from_f32` does.
+///
+/// # Safety
+/// The CPU must support F16C.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn quantize_blocks(
+    x: &[f32],
+    out: &mut Vec<BlockQ8x>,
+    block: impl Fn(&[f32]) -> ([i8; QK], f32, i32),
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: register-only F16C; the caller guarantees the feature.
+    let f16_round = |v: f32| unsafe {
+        let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(v));
+        _mm_cvtss_f32(_mm_cvtph_ps(h))
+    };
+    out.clear();
+    out.extend(x.chunks_exact(QK).map(|c| {
+        let (qs, d, sum) = block(c);
+        BlockQ8x {
+            qs,
+            d: f16_round(d),
+            s: f16_round(d * sum as f32),
+        }
+    }));
+}
+
 /// [`quantize_x`] with AVX-512: the same arithmetic (the same products `x * id`, rounded to
 /// nearest even by `vcvtps2dq`), so the same blocks.
 ///
@@ -72,33 +106,72 @@ pub(crate) fn quantize_x(x: &[f32], out: &mut Vec<BlockQ8x>) {
 #[target_feature(enable = "avx512f,f16c")]
 unsafe fn quantize_x_avx512(x: &[f32], out: &mut Vec<BlockQ8x>) {
     use std::arch::x86_64::*;
-    let f16_round = |v: f32| {
-        // Through f16 and back, rounding to nearest even as `f16::from_f32` does.
-        let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(v));
-        _mm_cvtss_f32(_mm_cvtph_ps(h))
-    };
-    out.clear();
-    out.extend(x.chunks_exact(QK).map(|c| {
-        // SAFETY: c holds 32 values; AVX-512F per the caller.
-        unsafe {
+    // SAFETY: each block holds 32 values; AVX-512F and F16C per the caller.
+    unsafe {
+        quantize_blocks(x, out, |c| {
             let lo = _mm512_loadu_ps(c.as_ptr());
             let hi = _mm512_loadu_ps(c.as_ptr().add(16));
-            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-            let d = amax / 127.0;
-            let id = _mm512_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+            let (d, id) = block_scale(_mm512_reduce_max_ps(_mm512_max_ps(
+                _mm512_abs_ps(lo),
+                _mm512_abs_ps(hi),
+            )));
+            let id = _mm512_set1_ps(id);
             let qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id));
             let qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
             let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
             let mut qs = [0i8; QK];
             _mm_storeu_si128(qs.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(qlo));
             _mm_storeu_si128(qs.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(qhi));
-            BlockQ8x {
-                qs,
-                d: f16_round(d),
-                s: f16_round(d * sum as f32),
-            }
-        }
-    }));
+            (qs, d, sum)
+        })
+    }
+}
+
+/// [`quantize_x`] with AVX2: the same arithmetic as the portable and AVX-512 versions, so the
+/// same blocks. A batch of decodes quantizes its activations before each matmul on the calling
+/// thread, and the portable loop's software f16 rounding made that a visible share of a step.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn quantize_x_avx2(x: &[f32], out: &mut Vec<BlockQ8x>) {
+    use std::arch::x86_64::*;
+    // SAFETY: each block holds 32 values; AVX2 and F16C per the caller.
+    unsafe {
+        quantize_blocks(x, out, |c| {
+            let v = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(c.as_ptr().add(o)));
+            let sign = _mm256_set1_ps(-0.0);
+            let abs = |a: __m256| _mm256_andnot_ps(sign, a);
+            let m = _mm256_max_ps(
+                _mm256_max_ps(abs(v[0]), abs(v[1])),
+                _mm256_max_ps(abs(v[2]), abs(v[3])),
+            );
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let (d, id) = block_scale(_mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m))));
+            let id = _mm256_set1_ps(id);
+            let q = v.map(|a| _mm256_cvtps_epi32(_mm256_mul_ps(a, id)));
+            let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            let sum = _mm_add_epi32(
+                _mm256_castsi256_si128(sum),
+                _mm256_extracti128_si256::<1>(sum),
+            );
+            let sum = _mm_add_epi32(sum, _mm_unpackhi_epi64(sum, sum));
+            let sum = _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32::<1>(sum)));
+            // |q| <= 127, so the saturating packs are exact; they interleave the four vectors'
+            // 128-bit halves, which one cross-lane permute puts back in order.
+            let bytes = _mm256_packs_epi16(
+                _mm256_packs_epi32(q[0], q[1]),
+                _mm256_packs_epi32(q[2], q[3]),
+            );
+            let bytes =
+                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            let mut qs = [0i8; QK];
+            _mm256_storeu_si256(qs.as_mut_ptr().cast(), bytes);
+            (qs, d, sum)
+        })
+    }
 }
 
 /// A weight block format the quantized kernels multiply.
@@ -380,6 +453,9 @@ pub(super) fn with_quantized_x<R>(
         if isa.avx512() {
             // SAFETY: the AVX-512 ISAs are only chosen with AVX-512F and F16C.
             unsafe { quantize_x_avx512(x, &mut xq) };
+        } else if isa == Isa::Avx2 {
+            // SAFETY: Isa::Avx2 is only chosen with AVX2, FMA and F16C.
+            unsafe { quantize_x_avx2(x, &mut xq) };
         } else {
             quantize_x(x, &mut xq);
         }
@@ -572,8 +648,9 @@ mod tests {
     }
 
     #[test]
-    fn the_avx512_quantizer_gives_the_portable_blocks() {
-        if !Isa::detect().avx512() {
+    fn the_simd_quantizers_give_the_portable_blocks() {
+        let isa = Isa::detect();
+        if isa == Isa::Portable {
             return;
         }
         // Random values, a block of zeros, a block of exact ties (x * 127 / max = n + 0.5) and
@@ -588,18 +665,29 @@ mod tests {
         for (i, v) in x[3 * QK..4 * QK].iter_mut().enumerate() {
             *v = if i % 2 == 0 { 3.0e38 } else { -1.0e-30 };
         }
-        let (mut a, mut b) = (Vec::new(), Vec::new());
+        let mut a = Vec::new();
         quantize_x(&x, &mut a);
-        // SAFETY: AVX-512F (and F16C, which every AVX-512 CPU has) detected above.
-        unsafe { quantize_x_avx512(&x, &mut b) };
-        assert_eq!(a.len(), b.len());
-        for (i, (p, q)) in a.iter().zip(&b).enumerate() {
-            assert_eq!(p.qs, q.qs, "block {i}");
-            assert_eq!(
-                (p.d.to_bits(), p.s.to_bits()),
-                (q.d.to_bits(), q.s.to_bits()),
-                "block {i}"
-            );
+        let mut simd: Vec<(&str, Vec<BlockQ8x>)> = Vec::new();
+        let mut b = Vec::new();
+        // SAFETY: every ISA above Portable has AVX2 and F16C.
+        unsafe { quantize_x_avx2(&x, &mut b) };
+        simd.push(("avx2", b));
+        if isa.avx512() {
+            let mut b = Vec::new();
+            // SAFETY: AVX-512F (and F16C, which every AVX-512 CPU has) detected above.
+            unsafe { quantize_x_avx512(&x, &mut b) };
+            simd.push(("avx512", b));
+        }
+        for (name, b) in &simd {
+            assert_eq!(a.len(), b.len(), "{name}");
+            for (i, (p, q)) in a.iter().zip(b).enumerate() {
+                assert_eq!(p.qs, q.qs, "{name}: block {i}");
+                assert_eq!(
+                    (p.d.to_bits(), p.s.to_bits()),
+                    (q.d.to_bits(), q.s.to_bits()),
+                    "{name}: block {i}"
+                );
+            }
         }
     }
 }

@@ -164,12 +164,20 @@ unsafe fn staged_tile<B: QDot, const R: usize>(
     unsafe {
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); C]; R];
-        // Few values live beside the 8 accumulators (the x bytes, the constant), so that none
-        // of them spills: the scales are broadcast from memory where they are used.
+        // The block's R x C scales `d_w * d_x`, four to a multiply, then broadcast from memory
+        // where they are used: few values live beside the 8 accumulators (the x bytes, the
+        // constant), so that none of them spills.
+        let mut scales = [0.0f32; 2 * C];
         for b in 0..nb {
+            let dw = _mm_loadu_ps(stage.d.as_ptr().add(b * C));
             let mut xv = [_mm256_setzero_si256(); R];
             for (r, v) in xv.iter_mut().enumerate() {
-                *v = _mm256_loadu_si256((*x.add(r * nb + b)).qs.as_ptr().cast());
+                let xb = &*x.add(r * nb + b);
+                *v = _mm256_loadu_si256(xb.qs.as_ptr().cast());
+                _mm_storeu_ps(
+                    scales.as_mut_ptr().add(r * C),
+                    _mm_mul_ps(dw, _mm_set1_ps(xb.d)),
+                );
             }
             for c in 0..C {
                 let at = b * C + c;
@@ -181,10 +189,7 @@ unsafe fn staged_tile<B: QDot, const R: usize>(
                         xv[r]
                     };
                     let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wb, q), ones);
-                    let scale = _mm256_mul_ps(
-                        _mm256_broadcast_ss(stage.d.get_unchecked(at)),
-                        _mm256_broadcast_ss(&(*x.add(r * nb + b)).d),
-                    );
+                    let scale = _mm256_broadcast_ss(scales.get_unchecked(r * C + c));
                     acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r][c]);
                 }
             }
