@@ -129,7 +129,8 @@ unsafe fn quantize_x_avx512(x: &[f32], out: &mut Vec<BlockQ8x>) {
 
 /// [`quantize_x`] with AVX2: the same arithmetic as the portable and AVX-512 versions, so the
 /// same blocks. A batch of decodes quantizes its activations before each matmul on the calling
-/// thread, and the portable loop's software f16 rounding made that a visible share of a step.
+/// thread, where the portable loop (scalar, with a call into `half` for each f16 rounding) was a
+/// visible share of a step.
 ///
 /// # Safety
 /// The CPU must support AVX2 and F16C.

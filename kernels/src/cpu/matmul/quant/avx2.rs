@@ -40,6 +40,8 @@ pub(super) unsafe fn range<B: QDot>(
 
 /// Weight rows per staged tile.
 const STAGED_COLS: usize = 4;
+/// x rows per register tile of the staged kernel (8 accumulators with [`STAGED_COLS`]).
+const STAGED_ROWS: usize = 2;
 
 /// One tile of [`STAGED_COLS`] weight rows as the staged kernel reads it, block-major
 /// (`[b * STAGED_COLS + c]` for row c's block b): the 32 weights as bytes ready for
@@ -129,9 +131,9 @@ unsafe fn gemm_staged<B: QDot>(
             let mut i = 0;
             while i < d.m {
                 let (xt, ot) = (xq.as_ptr().add(i * nb), out.add(i * d.n + j));
-                if d.m - i >= 2 {
-                    staged_tile::<B, 2>(xt, stage, nb, ot, d.n);
-                    i += 2;
+                if d.m - i >= STAGED_ROWS {
+                    staged_tile::<B, STAGED_ROWS>(xt, stage, nb, ot, d.n);
+                    i += STAGED_ROWS;
                 } else {
                     staged_tile::<B, 1>(xt, stage, nb, ot, d.n);
                     i += 1;
@@ -167,7 +169,8 @@ unsafe fn staged_tile<B: QDot, const R: usize>(
         // The block's R x C scales `d_w * d_x`, four to a multiply, then broadcast from memory
         // where they are used: few values live beside the 8 accumulators (the x bytes, the
         // constant), so that none of them spills.
-        let mut scales = [0.0f32; 2 * C];
+        const { assert!(R <= STAGED_ROWS) };
+        let mut scales = [0.0f32; STAGED_ROWS * C];
         for b in 0..nb {
             let dw = _mm_loadu_ps(stage.d.as_ptr().add(b * C));
             let mut xv = [_mm256_setzero_si256(); R];
