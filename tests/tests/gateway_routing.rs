@@ -92,6 +92,7 @@ fn tenants_stay_on_their_prefix_balanced_and_isolated() {
 
     // Warm-up: one request each; the engine that answers holds the tenant's prefix.
     let mut home = HashMap::new();
+    let mut prompts = Vec::new();
     for (id, key, system) in &tenants {
         let r = gw.chat(
             key,
@@ -104,7 +105,34 @@ fn tenants_stay_on_their_prefix_balanced_and_isolated() {
             (280..400).contains(&prompt),
             "system prompt tokens: {prompt}"
         );
+        prompts.push(prompt);
         home.insert(id.clone(), engine_of(&r));
+    }
+
+    // The gateway learns of the cached blocks from the engines' KV events, a moment after the
+    // answers: the rounds start once it knows every full block of the warm-up prompts.
+    let block = gw.gw.router.config().block_size as u64;
+    let stored: u64 = prompts.iter().map(|p| p / block).sum();
+    let indexed = || {
+        let index = gw
+            .gw
+            .registry
+            .index
+            .read()
+            .unwrap_or_else(|p| p.into_inner());
+        names
+            .iter()
+            .map(|n| index.len(gw.gw.registry.get(n).expect("engine").slot) as u64)
+            .sum::<u64>()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while indexed() < stored {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} of the {stored} stored blocks indexed",
+            indexed()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
 
     // Five rounds, each tenant's requests sent concurrently.
@@ -142,10 +170,18 @@ fn tenants_stay_on_their_prefix_balanced_and_isolated() {
             }
         }
     }
+    let decisions = || {
+        gw.metrics()
+            .lines()
+            .filter(|l| l.starts_with("kvgate_gateway_route_decisions_total"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
     for (id, (hits, total)) in &on_home {
         assert!(
             *hits as f64 >= 0.95 * *total as f64,
-            "{id}: {hits}/{total} on its prefix engine (homes {home:?})"
+            "{id}: {hits}/{total} on its prefix engine (homes {home:?}; {})",
+            decisions()
         );
     }
     let mean = 30.0 / 3.0;

@@ -205,6 +205,7 @@ impl Engine {
             peer_blocks: 0,
             inflight: self.total_inflight(),
             compute_inflight: 0,
+            compute: 0,
             wait_secs: report.wait_now(age.unwrap_or(0.0), ask, req.prior_secs_per_token)
                 + report.tier_load_secs(matched.host, matched.disk),
             secs_per_token: report.secs_per_token(req.prior_secs_per_token),
@@ -359,6 +360,11 @@ impl Registry {
         // Engines that report the same compute share it: each one's count is all of theirs
         // (every engine's, routable or not: a draining one still computes).
         for (c, (r, _)) in candidates.iter_mut().zip(&reports) {
+            c.compute = if r.compute.is_empty() {
+                0
+            } else {
+                crate::routing::engine_id(&r.compute).max(1)
+            };
             c.compute_inflight = if r.compute.is_empty() {
                 c.inflight
             } else {
@@ -579,6 +585,9 @@ mod tests {
         }));
         let (slot, c) = choose();
         assert!(c.iter().all(|c| c.compute_inflight == 5), "{c:?}");
+        assert!(c
+            .iter()
+            .all(|x| x.compute != 0 && x.compute == c[0].compute));
         // Engine 1's prefill would slow every request of the three, and engine 0, 1 s into a
         // step, cannot be counted on to send the blocks in time: the tenant stays.
         assert_eq!((slot, c[1].peer_blocks), (engines[0].slot, 0), "{c:?}");
