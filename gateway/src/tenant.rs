@@ -316,7 +316,13 @@ impl KeySpec {
             rec.expires_at = Some(at);
         }
         if let Some(secs) = self.expires_in_secs {
-            rec.expires_at = Some(unix_now().saturating_add(secs));
+            // From the next whole second: a key given `secs` lives at least that long (a key
+            // expires once the clock's whole seconds reach `expires_at`).
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            let next_second = now.as_secs() + u64::from(now.subsec_nanos() > 0);
+            rec.expires_at = Some(next_second.saturating_add(secs));
         }
         if self.requests_per_min.is_some() {
             rec.requests_per_min = self.requests_per_min;

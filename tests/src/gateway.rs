@@ -207,6 +207,35 @@ impl TestGateway {
         }
     }
 
+    /// Waits until the gateway's prefix index holds at least `blocks` blocks, over all its
+    /// engines. The gateway learns of cached blocks from the engines' KV events, a moment after
+    /// the answers that stored them: a test that routes on a prefix it just stored waits here.
+    pub fn wait_indexed(&self, blocks: u64) {
+        let indexed = || {
+            let index = self
+                .gw
+                .registry
+                .index
+                .read()
+                .unwrap_or_else(|p| p.into_inner());
+            self.gw
+                .registry
+                .all()
+                .iter()
+                .map(|e| index.len(e.slot) as u64)
+                .sum::<u64>()
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while indexed() < blocks {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {blocks} blocks indexed",
+                indexed()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// The gateway's `/metrics` text.
     pub fn metrics(&self) -> String {
         request(self.admin_addr, "GET", "/metrics", &[], "").body

@@ -109,31 +109,9 @@ fn tenants_stay_on_their_prefix_balanced_and_isolated() {
         home.insert(id.clone(), engine_of(&r));
     }
 
-    // The gateway learns of the cached blocks from the engines' KV events, a moment after the
-    // answers: the rounds start once it knows every full block of the warm-up prompts.
+    // The rounds start once the gateway knows every full block of the warm-up prompts.
     let block = gw.gw.router.config().block_size as u64;
-    let stored: u64 = prompts.iter().map(|p| p / block).sum();
-    let indexed = || {
-        let index = gw
-            .gw
-            .registry
-            .index
-            .read()
-            .unwrap_or_else(|p| p.into_inner());
-        names
-            .iter()
-            .map(|n| index.len(gw.gw.registry.get(n).expect("engine").slot) as u64)
-            .sum::<u64>()
-    };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while indexed() < stored {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{} of the {stored} stored blocks indexed",
-            indexed()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    gw.wait_indexed(prompts.iter().map(|p| p / block).sum());
 
     // Five rounds, each tenant's requests sent concurrently.
     let mut per_engine: HashMap<String, usize> = HashMap::new();

@@ -189,7 +189,10 @@ fn one_request_is_one_trace_across_gateway_and_engine() {
     assert_eq!(spans.len(), names.len(), "{spans:?}");
     check_request_trace(&spans, &first.json()["usage"], false);
 
-    // The same prefix again, in a trace of its own: cached tokens in the prefill span.
+    // The same prefix again, in a trace of its own: cached tokens in the prefill span, once
+    // the gateway knows the first request's blocks.
+    let block = u64::from(gw.gw.router.config().block_size);
+    gw.wait_indexed(first.json()["usage"]["prompt_tokens"].as_u64().unwrap() / block);
     let second_trace = "0af7651916cd43dd8448eb211c80319c";
     let parent = format!("00-{second_trace}-{CLIENT_SPAN}-01");
     let second = chat_with(&gw, &key, &parent, "My brakes squeal.");
