@@ -213,7 +213,9 @@ async fn concurrency_release_and_lease_expiry() {
         tokens: 0,
     };
     assert_eq!(s.admit(lease("a", 30_000)).await.unwrap(), Ok(()));
-    assert_eq!(s.admit(lease("b", 200)).await.unwrap(), Ok(()));
+    // Terms of seconds, not milliseconds: a Redis call stalled on a loaded machine must not
+    // let a lease lapse before the test means it to.
+    assert_eq!(s.admit(lease("b", 2_000)).await.unwrap(), Ok(()));
     assert_eq!(
         s.admit(lease("c", 30_000)).await.unwrap(),
         Err(Refusal::Concurrency {
@@ -224,7 +226,7 @@ async fn concurrency_release_and_lease_expiry() {
     assert_eq!(s.admit(lease("c", 30_000)).await.unwrap(), Ok(()));
     assert!(s.admit(lease("d", 30_000)).await.unwrap().is_err());
     // "b" is never released: its lease lapses (a crashed gateway does not leak the slot).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
     assert_eq!(s.admit(lease("d", 30_000)).await.unwrap(), Ok(()));
     s.release("acme", l, "nope", 0).await.unwrap();
 }
@@ -261,12 +263,12 @@ async fn a_renewed_lease_outlives_its_first_term() {
     let s = migrated(&server).await;
     let l = limits(None, None, Some(1));
     let short = Admission {
-        lease_ms: 300,
+        lease_ms: 2_000,
         ..adm("acme", l, "a")
     };
     assert_eq!(s.admit(short).await.unwrap(), Ok(()));
     s.renew("acme", "a", 30_000).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
     // Still held past its first term.
     assert!(s.admit(adm("acme", l, "b")).await.unwrap().is_err());
     s.release("acme", l, "a", 0).await.unwrap();
