@@ -3,23 +3,23 @@
 //! speed, pick one and say why. Pure: no IO, no clock; the same inputs give the same choice, so
 //! the routing simulator (`kvgate bench --routing-sim`) runs exactly the code the gateway runs.
 //!
-//! `prefix` (the default) scores in time, at each engine's measured seconds per token. An
-//! engine's cost for the request is its wait (the prefill queued ahead, a full batch or cache;
+//! `prefix` (the default) scores in time, at each engine's measured seconds per token. An engine's
+//! cost for the request is its wait (the prefill queued ahead, a full batch or cache;
 //! [`LoadReport::wait_secs`]), plus the prefill of the prompt tokens it does not cache, counted
 //! once for every request that pays for it: the request itself; the cache its new blocks take
-//! (other prefixes lose it, now or later, and are computed again); each request in flight on
-//! that engine, whose steps the prefill lengthens; and each one on every engine that shares its
-//! compute (engines on one machine's cores: moving work between them gains no capacity). Engines
-//! that share compute are priced at one rate, the median of theirs: their own fits are bent by
-//! each other's work on the same cores. The cheapest engine wins. So a cached prefix keeps its tenant on its engine until that engine's
-//! queue costs more than recomputing the prefix elsewhere, everyone's share of the recompute
-//! included: a busy fleet gains little from a second copy of a prefix, and an idle engine takes
-//! a tenant over only when the wait it saves is worth the prefill. The engine admits waiting
-//! requests by fair queuing across tenants, so a tenant that floods an engine lengthens its own
-//! wait there, not the others': it is the one that spills. Over that, a bounded-load guarantee
-//! for requests that would start cold (no cached prefix there): an engine whose running batch is
-//! full takes none while it has `load_factor` x its share of the requests in flight (rounded
-//! up, plus [`INFLIGHT_SLACK`]).
+//! (other prefixes lose it, now or later, and are computed again); each request in flight on that
+//! engine, whose steps the prefill lengthens; and each one on every engine that shares its compute
+//! (engines on one machine's cores: moving work between them gains no capacity). Engines that share
+//! compute are priced at one rate, the median of theirs: their own fits are bent by each other's
+//! work on the same cores. The cheapest engine wins. So a cached prefix keeps its tenant on its
+//! engine until that engine's queue costs more than recomputing the prefix elsewhere, everyone's
+//! share of the recompute included: a busy fleet gains little from a second copy of a prefix, and
+//! an idle engine takes a tenant over only when the wait it saves is worth the prefill. The engine
+//! admits waiting requests by fair queuing across tenants, so a tenant that floods an engine
+//! lengthens its own wait there, not the others': it is the one that spills. Over that, a
+//! bounded-load guarantee for requests that would start cold (no cached prefix there): an engine
+//! whose running batch is full takes none while it has `load_factor` x its share of the requests in
+//! flight (rounded up, plus [`INFLIGHT_SLACK`]).
 //!
 //! With no match anywhere the request goes to the tenant's home engine: the first engine in
 //! rendezvous order (of the tenant's system-prompt hash) that has had no more than its share of
