@@ -318,9 +318,7 @@ impl KeySpec {
         if let Some(secs) = self.expires_in_secs {
             // From the next whole second: a key given `secs` lives at least that long (a key
             // expires once the clock's whole seconds reach `expires_at`).
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default();
+            let now = since_epoch();
             let next_second = now.as_secs() + u64::from(now.subsec_nanos() > 0);
             rec.expires_at = Some(next_second.saturating_add(secs));
         }
@@ -438,9 +436,14 @@ pub fn generate_key_id() -> String {
 }
 
 pub fn unix_now() -> u64 {
+    since_epoch().as_secs()
+}
+
+/// Time since the Unix epoch (zero for a clock set before it).
+fn since_epoch() -> std::time::Duration {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+        .unwrap_or_default()
 }
 
 pub(crate) mod hex32 {

@@ -708,7 +708,6 @@ impl<'a> Simulation<'a> {
                         } else {
                             (e.queue.len() + usize::from(e.current.is_some())) as u64
                         },
-                        compute: u64::from(shared),
                         // As the gateway does: a host-tier match costs its load.
                         wait_secs: self.wait(e) + f64::from(m[e.slot].host) * load,
                         // What the engine measures: its speed as it runs now.

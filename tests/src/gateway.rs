@@ -190,21 +190,23 @@ impl TestGateway {
     pub fn wait_ready(&self, engines: usize) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let r = self.admin("GET", "/admin/engines", "");
-            let ready = r.json()["engines"]
-                .as_array()
-                .map(|a| {
-                    a.iter()
-                        .filter(|e| e["routable"] == true && e["events_live"] == true)
-                        .count()
-                })
-                .unwrap_or(0);
+            let views = self.engine_views();
+            let ready = views
+                .iter()
+                .filter(|e| e["routable"] == true && e["events_live"] == true)
+                .count();
             if ready >= engines {
                 return;
             }
-            assert!(Instant::now() < deadline, "engines not ready: {}", r.body);
+            assert!(Instant::now() < deadline, "engines not ready: {views:?}");
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The engines as `/admin/engines` lists them.
+    fn engine_views(&self) -> Vec<Value> {
+        let r = self.admin("GET", "/admin/engines", "");
+        r.json()["engines"].as_array().cloned().unwrap_or_default()
     }
 
     /// Waits until the gateway's prefix index holds at least `blocks` blocks, over all its
@@ -212,17 +214,9 @@ impl TestGateway {
     /// the answers that stored them: a test that routes on a prefix it just stored waits here.
     pub fn wait_indexed(&self, blocks: u64) {
         let indexed = || {
-            let index = self
-                .gw
-                .registry
-                .index
-                .read()
-                .unwrap_or_else(|p| p.into_inner());
-            self.gw
-                .registry
-                .all()
+            self.engine_views()
                 .iter()
-                .map(|e| index.len(e.slot) as u64)
+                .map(|e| e["cached_blocks_indexed"].as_u64().unwrap_or(0))
                 .sum::<u64>()
         };
         let deadline = Instant::now() + Duration::from_secs(30);

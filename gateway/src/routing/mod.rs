@@ -3,23 +3,22 @@
 //! speed, pick one and say why. Pure: no IO, no clock; the same inputs give the same choice, so
 //! the routing simulator (`kvgate bench --routing-sim`) runs exactly the code the gateway runs.
 //!
-//! `prefix` (the default) scores in time, at each engine's measured seconds per token. An engine's
-//! cost for the request is its wait (the prefill queued ahead, a full batch or cache;
+//! `prefix` (the default) scores in time, at each engine's measured seconds per token. An
+//! engine's cost for the request is its wait (the prefill queued ahead, a full batch or cache;
 //! [`LoadReport::wait_secs`]), plus the prefill of the prompt tokens it does not cache, counted
 //! once for every request that pays for it: the request itself; the cache its new blocks take
-//! (other prefixes lose it, now or later, and are computed again); each request in flight on that
-//! engine, whose steps the prefill lengthens; and each one on every engine that shares its compute
-//! (engines on one machine's cores: moving work between them gains no capacity). Engines that share
-//! compute are priced at one rate, the median of theirs: their own fits are bent by each other's
-//! work on the same cores. The cheapest engine wins. So a cached prefix keeps its tenant on its
-//! engine until that engine's queue costs more than recomputing the prefix elsewhere, everyone's
-//! share of the recompute included: a busy fleet gains little from a second copy of a prefix, and
-//! an idle engine takes a tenant over only when the wait it saves is worth the prefill. The engine
-//! admits waiting requests by fair queuing across tenants, so a tenant that floods an engine
-//! lengthens its own wait there, not the others': it is the one that spills. Over that, a
-//! bounded-load guarantee for requests that would start cold (no cached prefix there): an engine
-//! whose running batch is full takes none while it has `load_factor` x its share of the requests in
-//! flight (rounded up, plus [`INFLIGHT_SLACK`]).
+//! (other prefixes lose it, now or later, and are computed again); each request in flight on
+//! that engine, whose steps the prefill lengthens; and each one on every engine that shares its
+//! compute (engines on one machine's cores: moving work between them gains no capacity). The
+//! cheapest engine wins. So a cached prefix keeps its tenant on its engine until that engine's
+//! queue costs more than recomputing the prefix elsewhere, everyone's share of the recompute
+//! included: a busy fleet gains little from a second copy of a prefix, and an idle engine takes
+//! a tenant over only when the wait it saves is worth the prefill. The engine admits waiting
+//! requests by fair queuing across tenants, so a tenant that floods an engine lengthens its own
+//! wait there, not the others': it is the one that spills. Over that, a bounded-load guarantee
+//! for requests that would start cold (no cached prefix there): an engine whose running batch is
+//! full takes none while it has `load_factor` x its share of the requests in flight (rounded
+//! up, plus [`INFLIGHT_SLACK`]).
 //!
 //! With no match anywhere the request goes to the tenant's home engine: the first engine in
 //! rendezvous order (of the tenant's system-prompt hash) that has had no more than its share of
@@ -118,11 +117,9 @@ pub struct Candidate {
     /// Requests in flight on every engine that shares its compute (one machine's cores, one
     /// device), itself included: at least `inflight`.
     pub compute_inflight: u64,
-    /// Which compute it runs on: candidates with the same nonzero value share it (0: its own).
-    pub compute: u64,
     /// Expected seconds before the request's own prefill starts there.
     pub wait_secs: f64,
-    /// Its measured seconds per prefill token.
+    /// Its measured seconds per prefill token (engines that share compute: the median of theirs).
     pub secs_per_token: f64,
     /// Its running batch's limit (0: unknown).
     pub max_seqs: u32,
@@ -302,7 +299,6 @@ impl Router {
     }
 
     fn prefix(&self, affinity: u128, prompt_tokens: usize, candidates: &[Candidate]) -> Choice {
-        let candidates = &pool_shared_rates(candidates);
         // Bounded load where a request would start cold: an engine whose batch still has room
         // takes more at the cost its wait shows, one that would queue is held to the cap. An
         // engine that caches part of the prompt is priced by its wait alone.
@@ -416,29 +412,6 @@ impl Router {
     }
 }
 
-/// `candidates` with each one that shares its compute priced at the median of the group's
-/// measured seconds per token (the slower of the middle two). Engines on one machine's cores or
-/// one device run at one speed; each one's fit of its own steps is noisy there, bent by the
-/// others' work on the same cores (one engine's fit reading a tenth of the others' was seen), and
-/// an engine that reads as cheap would draw tenants away from the engines caching their
-/// prefixes.
-fn pool_shared_rates(candidates: &[Candidate]) -> Vec<Candidate> {
-    let mut pooled = candidates.to_vec();
-    for c in &mut pooled {
-        if c.compute == 0 {
-            continue;
-        }
-        let mut rates: Vec<f64> = candidates
-            .iter()
-            .filter(|o| o.compute == c.compute)
-            .map(|o| o.secs_per_token)
-            .collect();
-        rates.sort_by(f64::total_cmp);
-        c.secs_per_token = rates[rates.len() / 2];
-    }
-    pooled
-}
-
 /// The shortest wait; on a tie the fewest in flight, then the lower slot.
 fn least_loaded(candidates: &[Candidate]) -> &Candidate {
     candidates
@@ -493,7 +466,6 @@ mod tests {
                 peer_blocks: 0,
                 inflight: inflight[i],
                 compute_inflight: inflight[i],
-                compute: 0,
                 wait_secs: wait[i],
                 secs_per_token: SPT,
                 max_seqs: 0,
@@ -524,22 +496,6 @@ mod tests {
             .choose(1, 600, &cands(&[4, 30, 0], &[0.0, 0.3, 0.0], &[1, 1, 1]))
             .unwrap();
         assert_eq!(c.slot, 1);
-        // Engines on one machine's cores, one of them reading ten times faster than the others
-        // (its fit bent by their work on the same cores). At its own rate, recomputing the
-        // prefix on it would look cheaper (0.48 s) than the home's 1.2 s queue; at the group's
-        // rate (3.2 ms a token) it costs 3.84 s: the tenant stays.
-        let mut shared = cands(&[0, 18, 0], &[0.0, 1.2, 0.4], &[0, 1, 1]);
-        for (c, spt) in shared.iter_mut().zip([0.0004, 0.0044, 0.0032]) {
-            c.secs_per_token = spt;
-            c.compute_inflight = 2;
-            c.compute = 7;
-        }
-        assert_eq!(r.choose(1, 300, &shared).unwrap().slot, 1);
-        // On compute of its own, the fast engine's rate is its own: the tenant spills.
-        for c in &mut shared {
-            c.compute = 0;
-        }
-        assert_eq!(r.choose(1, 300, &shared).unwrap().slot, 0);
     }
 
     #[test]

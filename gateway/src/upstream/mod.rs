@@ -205,7 +205,6 @@ impl Engine {
             peer_blocks: 0,
             inflight: self.total_inflight(),
             compute_inflight: 0,
-            compute: 0,
             wait_secs: report.wait_now(age.unwrap_or(0.0), ask, req.prior_secs_per_token)
                 + report.tier_load_secs(matched.host, matched.disk),
             secs_per_token: report.secs_per_token(req.prior_secs_per_token),
@@ -358,22 +357,27 @@ impl Registry {
             }
         }
         // Engines that report the same compute share it: each one's count is all of theirs
-        // (every engine's, routable or not: a draining one still computes).
+        // (every engine's, routable or not: a draining one still computes), and each is priced
+        // at one rate, the median of theirs (the slower of the middle two). They run at one
+        // speed, and each one's fit of its own steps is bent by the others' work on the same
+        // cores: one read a tenth of the others' rate, and would have drawn tenants away from
+        // the engines caching their prefixes.
         for (c, (r, _)) in candidates.iter_mut().zip(&reports) {
-            c.compute = if r.compute.is_empty() {
-                0
-            } else {
-                crate::routing::engine_id(&r.compute).max(1)
-            };
-            c.compute_inflight = if r.compute.is_empty() {
-                c.inflight
-            } else {
-                everyone
-                    .iter()
-                    .filter(|(other, _)| other.compute == r.compute)
-                    .fold(0u64, |sum, (_, n)| sum.saturating_add(*n))
-                    .max(c.inflight)
-            };
+            c.compute_inflight = c.inflight;
+            if r.compute.is_empty() {
+                continue;
+            }
+            let group = || everyone.iter().filter(|(o, _)| o.compute == r.compute);
+            c.compute_inflight = group()
+                .fold(0u64, |sum, (_, n)| sum.saturating_add(*n))
+                .max(c.inflight);
+            let mut rates: Vec<f64> = group()
+                .map(|(o, _)| o.secs_per_token(req.prior_secs_per_token))
+                .collect();
+            rates.sort_by(f64::total_cmp);
+            if let Some(&rate) = rates.get(rates.len() / 2) {
+                c.secs_per_token = rate;
+            }
         }
         (candidates, engines)
     }
@@ -585,9 +589,6 @@ mod tests {
         }));
         let (slot, c) = choose();
         assert!(c.iter().all(|c| c.compute_inflight == 5), "{c:?}");
-        assert!(c
-            .iter()
-            .all(|x| x.compute != 0 && x.compute == c[0].compute));
         // Engine 1's prefill would slow every request of the three, and engine 0, 1 s into a
         // step, cannot be counted on to send the blocks in time: the tenant stays.
         assert_eq!((slot, c[1].peer_blocks), (engines[0].slot, 0), "{c:?}");
@@ -603,6 +604,50 @@ mod tests {
         }));
         let (slot, c) = choose();
         assert_eq!((slot, c[1].peer_blocks), (engines[1].slot, 16), "{c:?}");
+    }
+
+    #[test]
+    fn engines_that_share_their_compute_are_priced_at_one_rate() {
+        let (registry, engines, hashes) = fleet(3, &[0]);
+        let report = |compute: &str, secs_per_token: f64| LoadReport {
+            max_seqs: 8,
+            max_batched_tokens: 4096,
+            available_blocks: 1000,
+            free_blocks: 1000,
+            secs_per_token,
+            compute: compute.to_owned(),
+            ..LoadReport::default()
+        };
+        // Engine 0 caches the prefix and has 300 tokens of prefill queued at 4.4 ms a token
+        // (1.32 s); engine 1 reads ten times faster (0.4 ms), engine 2 3.2 ms.
+        let set = |computes: [&str; 3]| {
+            engines[0].set_report(Some(LoadReport {
+                pending_prefill_tokens: 300,
+                running_prefill_tokens: 300,
+                ..report(computes[0], 0.0044)
+            }));
+            engines[1].set_report(Some(report(computes[1], 0.0004)));
+            engines[2].set_report(Some(report(computes[2], 0.0032)));
+        };
+        let router = Router::new(config());
+        let choose = || {
+            let c = candidates(&registry, &hashes, "t");
+            (router.choose(7, 270, &c).unwrap().slot, c)
+        };
+        let rates = |c: &[Candidate]| c.iter().map(|c| c.secs_per_token).collect::<Vec<_>>();
+        // Each on its own compute, engine 1 is as fast as it reads: recomputing the prompt
+        // there (0.22 s with the cache it takes) beats the queue.
+        set(["a", "b", "c"]);
+        let (slot, c) = choose();
+        assert_eq!(rates(&c), [0.0044, 0.0004, 0.0032]);
+        assert_eq!(slot, engines[1].slot);
+        // On one machine's cores, its reading is noise bent by the others' work: all three are
+        // priced at the median, 3.2 ms, and recomputing there (1.73 s) costs more than waiting
+        // for the cached prefix.
+        set(["a", "a", "a"]);
+        let (slot, c) = choose();
+        assert_eq!(rates(&c), [0.0032; 3]);
+        assert_eq!(slot, engines[0].slot);
     }
 
     #[test]
