@@ -98,6 +98,8 @@ enum Kind {
 struct Prepared {
     body: Bytes,
     hashes: PromptHashes,
+    /// Most tokens the answer may have (`max_tokens`, else the context's room).
+    max_tokens: u32,
     stream: bool,
     wants_usage: bool,
 }
@@ -247,11 +249,12 @@ fn unchanged(p: &Principal, typed: &ChatCompletionRequest) -> bool {
     !adds_system && !typed.has_client_scope() && typed.stream != Some(true)
 }
 
-/// What a request was found to be: its stream flags and prompt hashes.
+/// What a request was found to be: its stream flags, prompt hashes and answer's limit.
 struct Checked {
     stream: bool,
     wants_usage: bool,
     hashes: PromptHashes,
+    max_tokens: u32,
 }
 
 impl Checked {
@@ -259,6 +262,7 @@ impl Checked {
         Prepared {
             body,
             hashes: self.hashes,
+            max_tokens: self.max_tokens,
             stream: self.stream,
             wants_usage: self.wants_usage,
         }
@@ -310,12 +314,13 @@ fn checked(
     stream: bool,
     wants_usage: bool,
 ) -> Result<Checked, ApiError> {
-    params.max_tokens_for(hashes.prompt_tokens, gw.config.context_tokens())?;
+    let max_tokens = params.max_tokens_for(hashes.prompt_tokens, gw.config.context_tokens())?;
     check_model(gw, p, model)?;
     Ok(Checked {
         stream,
         wants_usage,
         hashes,
+        max_tokens,
     })
 }
 
@@ -626,6 +631,7 @@ async fn forward(
         let Some(choice) = gw.router.choose(
             prepared.hashes.affinity,
             prepared.hashes.prompt_tokens,
+            prepared.max_tokens,
             &candidates,
         ) else {
             break;

@@ -714,12 +714,15 @@ impl<'a> Simulation<'a> {
                         secs_per_token: 1.0 / self.trace.config.prefill_tps / speed,
                         // One request at a time: any other in flight queues.
                         max_seqs: 1,
+                        free_blocks: 0,
                     })
                     .collect();
                 let affinity = self.trace.tenants[r.tenant as usize].affinity;
+                // No answer tokens: a simulated engine serves one request at a time, and its
+                // wait already holds the decodes queued there.
                 let Some(choice) =
                     self.router
-                        .choose(affinity, r.prompt_tokens as usize, &candidates)
+                        .choose(affinity, r.prompt_tokens as usize, 0, &candidates)
                 else {
                     unreachable!("engines are never empty")
                 };
@@ -1127,7 +1130,7 @@ impl DecisionPath {
         let (candidates, _) = self.registry.candidates(&req, 0, 0);
         std::hint::black_box(
             self.router
-                .choose(ph.affinity, ph.prompt_tokens, &candidates),
+                .choose(ph.affinity, ph.prompt_tokens, 256, &candidates),
         );
         Ok((ph.prompt_tokens, hashed))
     }

@@ -7,10 +7,12 @@
 //! engine's cost for the request is its wait (the prefill queued ahead, a full batch or cache;
 //! [`LoadReport::wait_secs`]), plus the prefill of the prompt tokens it does not cache, counted
 //! once for every request that pays for it: the request itself; the cache its new blocks take
-//! (other prefixes lose it, now or later, and are computed again); each request in flight on
-//! that engine, whose steps the prefill lengthens; and each one on every engine that shares its
-//! compute (engines on one machine's cores: moving work between them gains no capacity). The
-//! cheapest engine wins. So a cached prefix keeps its tenant on its engine until that engine's
+//! where they evict (other prefixes lose it and are computed again; blocks that fit in free
+//! space cost nothing); each request in flight on that engine, whose steps the prefill
+//! lengthens; and each one on every engine that shares its compute (engines on one machine's
+//! cores: moving work between them gains no capacity). Plus the answer's decode steps beside the
+//! requests in flight there, which lengthen its steps as it lengthens theirs (its `max_tokens`
+//! x the requests in flight x the seconds per token, twice). The cheapest engine wins. So a cached prefix keeps its tenant on its engine until that engine's
 //! queue costs more than recomputing the prefix elsewhere, everyone's share of the recompute
 //! included: a busy fleet gains little from a second copy of a prefix, and an idle engine takes
 //! a tenant over only when the wait it saves is worth the prefill. The engine admits waiting
@@ -123,6 +125,9 @@ pub struct Candidate {
     pub secs_per_token: f64,
     /// Its running batch's limit (0: unknown).
     pub max_seqs: u32,
+    /// KV blocks free and holding nothing (0 when unknown, and for engines that share their
+    /// compute): a request's new blocks beyond these evict cached prefixes.
+    pub free_blocks: u64,
 }
 
 /// The choice and its reason.
@@ -145,10 +150,9 @@ pub struct RouterConfig {
     pub prior_secs_per_token: f64,
 }
 
-/// How many times the cost counts a prompt token an engine does not cache, before the requests
-/// in flight there (see `Router::cost`): the request's own wait for it, and the cache its
-/// blocks take.
-const UNCACHED_WEIGHT: f64 = 2.0;
+/// Most answer tokens the cost counts (a request without `max_tokens` may write to the end of
+/// the context; answers mostly end long before).
+const MAX_ANSWER_TOKENS: u32 = 256;
 
 /// The recent requests the homes' balance looks at: each decision weighs the past ones by
 /// `1 - 1 / TRAFFIC_WINDOW`.
@@ -205,12 +209,13 @@ impl Router {
     }
 
     /// Picks an engine among `candidates` (non-empty, or `None`) for a request of
-    /// `prompt_tokens` tokens. `affinity` identifies the tenant's shared prefix (its scope and
-    /// system prompt).
+    /// `prompt_tokens` tokens whose answer may take `answer_tokens` (its `max_tokens`).
+    /// `affinity` identifies the tenant's shared prefix (its scope and system prompt).
     pub fn choose(
         &self,
         affinity: u128,
         prompt_tokens: usize,
+        answer_tokens: u32,
         candidates: &[Candidate],
     ) -> Option<Choice> {
         if candidates.is_empty() {
@@ -235,7 +240,7 @@ impl Router {
                 pick(best, Reason::ConsistentHash)
             }
             Policy::Prefix => {
-                let choice = self.prefix(affinity, prompt_tokens, candidates);
+                let choice = self.prefix(affinity, prompt_tokens, answer_tokens, candidates);
                 if let Some(c) = candidates.iter().find(|c| c.slot == choice.slot) {
                     self.record(c.id, candidates);
                 }
@@ -246,25 +251,43 @@ impl Router {
 
     /// What sending a request of `prompt_tokens` tokens to `c` costs, in seconds: its wait, and
     /// the prefill of the tokens it does not cache, counted once for each request that pays for
-    /// it: the request itself waits for it; its new blocks are cache that other prefixes lose
-    /// (now, when the pool is full, or later), to be computed again; and every request in
-    /// flight on `c`, or on an engine that shares its compute, has its steps lengthened by it
-    /// (a continuous batch computes the prefill in the same steps as their decodes).
+    /// it: the request itself waits for it, and every request in flight on `c`, or on an engine
+    /// that shares its compute, has its steps lengthened by it (a continuous batch computes the
+    /// prefill in the same steps as their decodes). The new blocks those tokens take count once
+    /// more where they evict, for the share of them the engine's free blocks do not hold: that
+    /// cache is other prefixes', to be computed again. New blocks in free space cost nothing.
     ///
     /// Blocks a peer can send ([`Candidate::peer_blocks`]) are not computed: they cost their
-    /// transfer, which the request waits for, and the cache they take.
-    fn cost(&self, c: &Candidate, prompt_tokens: usize) -> f64 {
+    /// transfer, which the request waits for, and the cache they take where they evict.
+    ///
+    /// Then the answer: each of its decode steps runs beside the requests in flight there (or
+    /// on the engines sharing its compute), each of which lengthens it by a token's time, and it
+    /// lengthens each of theirs as much. Against an idle engine, that is twice the answer's
+    /// tokens (at most [`MAX_ANSWER_TOKENS`]) x the requests in flight x the engine's seconds
+    /// per token: what piling onto the busier batch costs, and what keeps the batches of two
+    /// engines that both cache a prefix even.
+    fn cost(&self, c: &Candidate, prompt_tokens: usize, answer_tokens: u32) -> f64 {
         let block = self.config.block_size as usize;
         let fetched =
             (c.peer_blocks.saturating_sub(c.matched_blocks)).min(MAX_PEER_FETCH_BLOCKS) as usize;
         let uncached = self.uncached(c, prompt_tokens);
         let fetched_tokens = (fetched * block).min(uncached);
         let computed = (uncached - fetched_tokens) as f64;
-        let payers = UNCACHED_WEIGHT + c.inflight.max(c.compute_inflight) as f64;
+        let beside = c.inflight.max(c.compute_inflight) as f64;
+        // The share of the request's new blocks that evicts cached prefixes.
+        let new_blocks = uncached.div_ceil(block.max(1)) as u64;
+        let evicting = if new_blocks == 0 {
+            0.0
+        } else {
+            new_blocks.saturating_sub(c.free_blocks) as f64 / new_blocks as f64
+        };
+        let cache = uncached as f64 * c.secs_per_token * evicting;
         let fetch = fetched_tokens.div_ceil(block.max(1)) as f64
-            * kvgate_protocol::load::PRIOR_PEER_LOAD_SECS_PER_BLOCK
-            + fetched_tokens as f64 * c.secs_per_token;
-        c.wait_secs + fetch + computed * c.secs_per_token * payers
+            * kvgate_protocol::load::PRIOR_PEER_LOAD_SECS_PER_BLOCK;
+        let compute = computed * c.secs_per_token * (1.0 + beside);
+        let answer = f64::from(answer_tokens.min(MAX_ANSWER_TOKENS));
+        let decode = 2.0 * answer * beside * c.secs_per_token;
+        c.wait_secs + fetch + compute + cache + decode
     }
 
     /// Counts a request routed to engine `id` in the recent traffic of `candidates`' engines.
@@ -298,7 +321,13 @@ impl Router {
         ((self.config.load_factor * share).ceil() as u64).saturating_add(INFLIGHT_SLACK)
     }
 
-    fn prefix(&self, affinity: u128, prompt_tokens: usize, candidates: &[Candidate]) -> Choice {
+    fn prefix(
+        &self,
+        affinity: u128,
+        prompt_tokens: usize,
+        answer_tokens: u32,
+        candidates: &[Candidate],
+    ) -> Choice {
         // Bounded load where a request would start cold: an engine whose batch still has room
         // takes more at the cost its wait shows, one that would queue is held to the cap. An
         // engine that caches part of the prompt is priced by its wait alone.
@@ -306,12 +335,14 @@ impl Router {
         let allowed = |c: &&Candidate| {
             c.matched_blocks > 0 || c.inflight < cap || c.inflight < u64::from(c.max_seqs)
         };
-        let cost = |c: &Candidate| self.cost(c, prompt_tokens);
-        // The cheapest; on a tie the longer match, then the lower slot.
+        let cost = |c: &Candidate| self.cost(c, prompt_tokens, answer_tokens);
+        // The cheapest; on a tie the longer match, then the fewer in flight, then the lower
+        // slot.
         let Some(best) = candidates.iter().filter(allowed).min_by(|x, y| {
             cost(x)
                 .total_cmp(&cost(y))
                 .then(y.matched_blocks.cmp(&x.matched_blocks))
+                .then(x.inflight.cmp(&y.inflight))
                 .then(x.slot.cmp(&y.slot))
         }) else {
             let c = least_loaded(candidates);
@@ -469,6 +500,7 @@ mod tests {
                 wait_secs: wait[i],
                 secs_per_token: SPT,
                 max_seqs: 0,
+                free_blocks: 0,
             })
             .collect()
     }
@@ -478,7 +510,7 @@ mod tests {
         let r = router(Policy::Prefix);
         // 16 cached blocks (256 tokens) of a 270-token prompt on engine 1: it saves 0.256 s.
         let c = r
-            .choose(1, 270, &cands(&[0, 16, 0], &[0.0, 0.0, 0.0], &[0, 0, 0]))
+            .choose(1, 270, 0, &cands(&[0, 16, 0], &[0.0, 0.0, 0.0], &[0, 0, 0]))
             .unwrap();
         assert_eq!(
             (c.slot, c.reason, c.matched_blocks),
@@ -488,14 +520,64 @@ mod tests {
         // (0.2 s) costs less than recomputing the prefix elsewhere (0.256 s, three times): it
         // stays.
         let c = r
-            .choose(1, 270, &cands(&[0, 16, 0], &[0.0, 0.2, 0.0], &[0, 2, 1]))
+            .choose(1, 270, 0, &cands(&[0, 16, 0], &[0.0, 0.2, 0.0], &[0, 2, 1]))
             .unwrap();
         assert_eq!((c.slot, c.reason), (1, Reason::Prefix));
         // A longer prefix on a slower queue still wins while the saving covers the wait.
         let c = r
-            .choose(1, 600, &cands(&[4, 30, 0], &[0.0, 0.3, 0.0], &[1, 1, 1]))
+            .choose(1, 600, 0, &cands(&[4, 30, 0], &[0.0, 0.3, 0.0], &[1, 1, 1]))
             .unwrap();
         assert_eq!(c.slot, 1);
+    }
+
+    #[test]
+    fn a_recompute_into_free_blocks_costs_no_cache() {
+        let r = router(Policy::Prefix);
+        // Engine 1 caches 256 of the 270 tokens and has 0.4 s of queue. Engine 0 is idle with a
+        // full pool: recomputing there evicts 17 blocks of other prefixes, 0.54 s in all. It
+        // stays.
+        let mut c = cands(&[0, 16], &[0.0, 0.4], &[0, 1]);
+        assert_eq!(r.choose(1, 270, 0, &c).unwrap().slot, 1);
+        // With 17 free blocks there, the recompute costs its own prefill alone (0.27 s): it
+        // moves.
+        c[0].free_blocks = 17;
+        assert_eq!(r.choose(1, 270, 0, &c).unwrap().slot, 0);
+        // With 8, half its blocks evict: 0.27 s + 0.143 s, still under the wait.
+        c[0].free_blocks = 8;
+        assert_eq!(r.choose(1, 270, 0, &c).unwrap().slot, 0);
+        // A peer copy into free blocks costs its transfer and the 14 tokens left to compute,
+        // 0.046 s (0.316 s with a full pool), against engine 1's 0.1 s of queue.
+        c[0].peer_blocks = 16;
+        c[0].free_blocks = 0;
+        c[1].wait_secs = 0.1;
+        assert_eq!(r.choose(1, 270, 0, &c).unwrap().slot, 1);
+        c[0].free_blocks = 17;
+        assert_eq!(r.choose(1, 270, 0, &c).unwrap().slot, 0);
+    }
+
+    #[test]
+    fn a_long_answer_goes_to_the_emptier_batch() {
+        let r = router(Policy::Prefix);
+        // Engine 0 caches all 16 blocks of a 256-token prompt and has three requests in flight;
+        // engine 1 caches 12 and has none: 64 tokens to compute there, 0.128 s with the cache
+        // they take.
+        let c = cands(&[16, 12], &[0.0, 0.0], &[3, 0]);
+        // A one-token answer beside three costs 0.006 s of steps, its own and theirs: it stays
+        // with the whole prefix.
+        assert_eq!(r.choose(1, 256, 1, &c).unwrap().slot, 0);
+        // A 64-token answer beside three costs 0.384 s: it goes to the empty batch.
+        let long = r.choose(1, 256, 64, &c).unwrap();
+        assert_eq!((long.slot, long.reason), (1, Reason::Prefix));
+        // An answer without a limit (the context's room) counts as MAX_ANSWER_TOKENS: beside
+        // one request that is 0.512 s of steps, less than recomputing a 400-token prompt
+        // (0.8 s), so the tenant stays.
+        let one = cands(&[25, 0], &[0.0, 0.0], &[1, 0]);
+        assert_eq!(r.choose(1, 400, u32::MAX, &one).unwrap().slot, 0);
+        // Both cache the whole prompt: even a short answer takes the batch with fewer in flight.
+        let both = cands(&[16, 16], &[0.0, 0.0], &[2, 1]);
+        assert_eq!(r.choose(1, 256, 4, &both).unwrap().slot, 1);
+        // And with no answer to price, the tie goes to the fewer in flight too.
+        assert_eq!(r.choose(1, 256, 0, &both).unwrap().slot, 1);
     }
 
     #[test]
@@ -505,12 +587,22 @@ mod tests {
         // Recomputing there costs the request's prefill (0.27 s) and the cache it takes
         // (0.27 s): 0.54 s against 0.442 s of waiting. It stays.
         let c = r
-            .choose(1, 270, &cands(&[0, 16, 0], &[0.0, 0.4, 0.01], &[0, 1, 0]))
+            .choose(
+                1,
+                270,
+                0,
+                &cands(&[0, 16, 0], &[0.0, 0.4, 0.01], &[0, 1, 0]),
+            )
             .unwrap();
         assert_eq!((c.slot, c.reason), (1, Reason::Prefix));
         // 0.6 s of queue: computing it on the idle engine is cheaper (0.54 s against 0.642 s).
         let c = r
-            .choose(1, 270, &cands(&[0, 16, 0], &[0.0, 0.6, 0.01], &[0, 1, 0]))
+            .choose(
+                1,
+                270,
+                0,
+                &cands(&[0, 16, 0], &[0.0, 0.6, 0.01], &[0, 1, 0]),
+            )
             .unwrap();
         assert_eq!(
             (c.slot, c.reason, c.matched_blocks),
@@ -519,11 +611,11 @@ mod tests {
         // In a busy fleet the same queue is kept: the other engines have three requests in
         // flight each, and the prefill would lengthen their steps too (1.45 s against 0.642 s).
         let busy = cands(&[0, 16, 0], &[0.1, 0.6, 0.1], &[3, 1, 3]);
-        assert_eq!(r.choose(1, 270, &busy).unwrap().slot, 1);
+        assert_eq!(r.choose(1, 270, 0, &busy).unwrap().slot, 1);
         // Until the wait outgrows even that: 2 s of queue.
         let mut long = busy.clone();
         long[1].wait_secs = 2.0;
-        let c = r.choose(1, 270, &long).unwrap();
+        let c = r.choose(1, 270, 0, &long).unwrap();
         assert_eq!((c.slot, c.reason), (0, Reason::LeastLoaded));
         // Engines that share their compute (one machine's cores) gain nothing from the spill:
         // the idle engine's prefill slows the busy ones' requests as much as its own.
@@ -531,38 +623,38 @@ mod tests {
         for c in &mut shared {
             c.compute_inflight = 6;
         }
-        assert_eq!(r.choose(1, 270, &shared).unwrap().slot, 1);
+        assert_eq!(r.choose(1, 270, 0, &shared).unwrap().slot, 1);
         // A peer copy makes the spill a transfer: engine 0 (two in flight) can fetch the 16
         // blocks from engine 1 (0.288 s with their cache share) and compute 14 tokens (0.056 s),
         // against 0.542 s of waiting. Without it, recomputing there (1.08 s) is dearer.
         let mut fetch = cands(&[0, 16, 0], &[0.0, 0.5, 0.0], &[2, 1, 2]);
-        assert_eq!(r.choose(1, 270, &fetch).unwrap().slot, 1);
+        assert_eq!(r.choose(1, 270, 0, &fetch).unwrap().slot, 1);
         fetch[0].peer_blocks = 16;
         fetch[2].peer_blocks = 16;
-        let c = r.choose(1, 270, &fetch).unwrap();
+        let c = r.choose(1, 270, 0, &fetch).unwrap();
         assert_eq!(
             (c.slot, c.reason, c.matched_blocks),
             (0, Reason::LeastLoaded, 0)
         );
         // A second engine holding part of it is preferred to none.
         let c = r
-            .choose(1, 270, &cands(&[8, 16, 0], &[0.0, 0.8, 0.0], &[0, 1, 0]))
+            .choose(1, 270, 0, &cands(&[8, 16, 0], &[0.0, 0.8, 0.0], &[0, 1, 0]))
             .unwrap();
         assert_eq!((c.slot, c.reason), (0, Reason::Prefix));
         // The bounded load holds where a request would go without a cached prefix: engine 0 is
         // at its cap of in-flight requests (1.25 x 15 / 3, rounded up, plus two: 9), so the
         // spill goes to engine 2 although engine 0 would be cheaper.
         let capped = cands(&[0, 16, 0], &[0.0, 5.0, 4.0], &[12, 1, 1]);
-        let c = r.choose(1, 270, &capped).unwrap();
+        let c = r.choose(1, 270, 0, &capped).unwrap();
         assert_eq!((c.slot, c.reason), (2, Reason::LeastLoaded));
         // With room in its batch (16 sequences), engine 0 is not held to the cap.
         let mut roomy = capped.clone();
         roomy[0].max_seqs = 16;
-        assert_eq!(r.choose(1, 270, &roomy).unwrap().slot, 0);
+        assert_eq!(r.choose(1, 270, 0, &roomy).unwrap().slot, 0);
         // An engine that caches the prefix is priced by its queue, not held to the cap: one
         // tenant's flood lengthens its own wait there (fair queuing), and it spills by cost.
         let c = r
-            .choose(1, 270, &cands(&[0, 16, 0], &[0.0, 0.0, 0.0], &[1, 6, 1]))
+            .choose(1, 270, 0, &cands(&[0, 16, 0], &[0.0, 0.0, 0.0], &[1, 6, 1]))
             .unwrap();
         assert_eq!((c.slot, c.reason), (1, Reason::Prefix));
     }
@@ -571,15 +663,15 @@ mod tests {
     fn a_tenant_that_sends_most_requests_gets_fewer_neighbours() {
         let r = router(Policy::Prefix);
         let c = cands(&[0, 0, 0], &[0.0, 0.0, 0.0], &[0, 0, 0]);
-        let hot = r.choose(1, 300, &c).unwrap().slot;
+        let hot = r.choose(1, 300, 0, &c).unwrap().slot;
         let mut homes = [0usize; 3];
         homes[hot] += 1;
         for tenant in 2..10u128 {
             // The hot tenant sends ten requests for each one of the others.
             for _ in 0..10 {
-                assert_eq!(r.choose(1, 300, &c).unwrap().slot, hot);
+                assert_eq!(r.choose(1, 300, 0, &c).unwrap().slot, hot);
             }
-            homes[r.choose(tenant * 7919, 300, &c).unwrap().slot] += 1;
+            homes[r.choose(tenant * 7919, 300, 0, &c).unwrap().slot] += 1;
         }
         // Nine tenants: the hot one's engine is home to the fewest, and to more only once the
         // others reach their bound (1.25 x their share).
@@ -593,7 +685,7 @@ mod tests {
         let mut count = [0usize; 3];
         for tenant in std::iter::once(1).chain(2..10u128) {
             let t = if tenant == 1 { 1 } else { tenant * 7919 };
-            count[even.choose(t, 300, &c).unwrap().slot] += 1;
+            count[even.choose(t, 300, 0, &c).unwrap().slot] += 1;
         }
         assert_eq!(count, [3, 3, 3]);
     }
@@ -604,36 +696,39 @@ mod tests {
         let c = cands(&[0, 0, 0], &[0.0, 0.0, 0.0], &[0, 0, 0]);
         let mut per_engine = [0usize; 3];
         for tenant in 0..6u128 {
-            let first = r.choose(tenant * 7919, 300, &c).unwrap();
+            let first = r.choose(tenant * 7919, 300, 0, &c).unwrap();
             assert_eq!(first.reason, Reason::Affinity);
             // The same tenant keeps its home.
-            assert_eq!(r.choose(tenant * 7919, 300, &c).unwrap().slot, first.slot);
+            assert_eq!(
+                r.choose(tenant * 7919, 300, 0, &c).unwrap().slot,
+                first.slot
+            );
             per_engine[first.slot] += 1;
         }
         // Six tenants on three engines: two each.
         assert_eq!(per_engine, [2, 2, 2]);
         // A busy home is kept (the tenant's requests in prefill there store its prefix for the
         // next ones); a home at its in-flight cap and with a long queue is passed over.
-        let home = r.choose(0, 300, &c).unwrap().slot;
+        let home = r.choose(0, 300, 0, &c).unwrap().slot;
         let mut busy = c.clone();
         busy[home].wait_secs = 10.0;
         busy[home].inflight = 4;
-        assert_eq!(r.choose(0, 300, &busy).unwrap().slot, home);
+        assert_eq!(r.choose(0, 300, 0, &busy).unwrap().slot, home);
         busy[home].inflight = 5;
-        let other = r.choose(0, 300, &busy).unwrap();
+        let other = r.choose(0, 300, 0, &busy).unwrap();
         assert_ne!(other.slot, home);
         assert_eq!(other.reason, Reason::LeastLoaded);
         // The tenant now lives where that request went: its next cold request follows it.
         busy[home].inflight = 0;
-        assert_eq!(r.choose(0, 300, &busy).unwrap().slot, other.slot);
+        assert_eq!(r.choose(0, 300, 0, &busy).unwrap().slot, other.slot);
         // A home at its cap with a queue shorter than computing the prompt elsewhere (0.6 s: its
         // prefill, for the request and for the cache it takes) is kept.
         let t = 3 * 7919;
-        let home = r.choose(t, 300, &c).unwrap().slot;
+        let home = r.choose(t, 300, 0, &c).unwrap().slot;
         let mut capped = c.clone();
         capped[home].inflight = 5;
         capped[home].wait_secs = 0.25;
-        assert_eq!(r.choose(t, 300, &capped).unwrap().slot, home);
+        assert_eq!(r.choose(t, 300, 0, &capped).unwrap().slot, home);
     }
 
     #[test]
@@ -641,16 +736,19 @@ mod tests {
         let c = cands(&[0, 9, 0], &[0.5, 0.9, 0.1], &[5, 9, 1]);
         let rr = router(Policy::RoundRobin);
         let slots: Vec<_> = (0..3)
-            .map(|_| rr.choose(0, 100, &c).unwrap().slot)
+            .map(|_| rr.choose(0, 100, 0, &c).unwrap().slot)
             .collect();
         assert_eq!(slots, [0, 1, 2]);
         assert_eq!(
-            router(Policy::LeastLoaded).choose(0, 100, &c).unwrap().slot,
+            router(Policy::LeastLoaded)
+                .choose(0, 100, 0, &c)
+                .unwrap()
+                .slot,
             2
         );
         let ch = router(Policy::ConsistentHash);
-        let a = ch.choose(42, 100, &c).unwrap().slot;
-        assert_eq!(ch.choose(42, 100, &c).unwrap().slot, a);
-        assert!(router(Policy::Prefix).choose(0, 100, &[]).is_none());
+        let a = ch.choose(42, 100, 0, &c).unwrap().slot;
+        assert_eq!(ch.choose(42, 100, 0, &c).unwrap().slot, a);
+        assert!(router(Policy::Prefix).choose(0, 100, 0, &[]).is_none());
     }
 }

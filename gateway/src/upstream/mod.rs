@@ -209,6 +209,7 @@ impl Engine {
                 + report.tier_load_secs(matched.host, matched.disk),
             secs_per_token: report.secs_per_token(req.prior_secs_per_token),
             max_seqs: report.max_seqs,
+            free_blocks: if age.is_some() { report.free_blocks } else { 0 },
         }
     }
 
@@ -310,16 +311,31 @@ impl Registry {
         // room is the cheaper place for it), and whose current step ends well within a fetch's
         // deadline (a fetch waits for it; from an engine deep in a long prefill it would come
         // back partial or time out, and the rest be computed).
-        let peers = all
+        let peer_ok = |e: &Engine, r: &LoadReport| {
+            exclude & (1 << e.slot) == 0
+                && e.can_be_peer(now_ms)
+                && r.step_now_secs(req.prior_secs_per_token) <= PEER_STEP_LIMIT_SECS
+        };
+        let busy_peers = all
             .iter()
             .zip(&everyone)
             .filter(|(e, (r, _))| {
-                exclude & (1 << e.slot) == 0
-                    && e.can_be_peer(now_ms)
-                    && (e.is_draining() || (r.max_seqs > 0 && r.running >= r.max_seqs))
-                    && r.step_now_secs(req.prior_secs_per_token) <= PEER_STEP_LIMIT_SECS
+                peer_ok(e, r) && (e.is_draining() || (r.max_seqs > 0 && r.running >= r.max_seqs))
             })
             .fold(0u64, |m, (e, _)| m | (1 << e.slot));
+        // And holders that reported no prefill to do: their steps are decodes alone, between
+        // which they answer a fetch at once, so a tenant may move off a busier batch for the
+        // price of a transfer. They count for candidates on other compute only (moving work
+        // within one machine's cores gains nothing).
+        let quiet: Vec<(usize, &str)> = all
+            .iter()
+            .zip(&everyone)
+            .filter(|(e, (r, _))| {
+                peer_ok(e, r) && r.pending_prefill_tokens == 0 && e.report().1.is_some()
+            })
+            .map(|(e, (r, _))| (e.slot, r.compute.as_str()))
+            .collect();
+        let peers = quiet.iter().fold(busy_peers, |m, (s, _)| m | (1 << s));
         let matched = self
             .index
             .read()
@@ -346,9 +362,16 @@ impl Registry {
             .zip(&reports)
             .map(|(e, r)| e.candidate(r, matched[e.slot], &req))
             .collect();
-        for c in &mut candidates {
+        for (c, (r, _)) in candidates.iter_mut().zip(&reports) {
+            let own = r.compute.as_str();
+            let lends = |s: usize| {
+                busy_peers & (1 << s) != 0
+                    || quiet
+                        .iter()
+                        .any(|&(q, cq)| q == s && (own.is_empty() || cq != own))
+            };
             let best = (0..MAX_ENGINES)
-                .filter(|&s| s != c.slot && peers & (1 << s) != 0)
+                .filter(|&s| s != c.slot && lends(s))
                 .map(|s| matched[s].fast)
                 .max()
                 .unwrap_or(0);
@@ -377,6 +400,12 @@ impl Registry {
             rates.sort_by(f64::total_cmp);
             if let Some(&rate) = rates.get(rates.len() / 2) {
                 c.secs_per_token = rate;
+            }
+            // Free blocks are no reason to recompute a prefix beside its holder on the same
+            // cores: the prefill takes the compute the holder's queue waits for. Its blocks
+            // are counted as evicting, wherever they land.
+            if rates.len() > 1 {
+                c.free_blocks = 0;
             }
         }
         (candidates, engines)
@@ -525,7 +554,7 @@ mod tests {
         let router = Router::new(config());
         let choose = || {
             router
-                .choose(7, 270, &candidates(&registry, &hashes, "t"))
+                .choose(7, 270, 0, &candidates(&registry, &hashes, "t"))
                 .unwrap()
         };
         assert_eq!(
@@ -568,7 +597,7 @@ mod tests {
         let router = Router::new(config());
         let choose = || {
             let c = candidates(&registry, &hashes, "t");
-            (router.choose(7, 270, &c).unwrap().slot, c)
+            (router.choose(7, 270, 0, &c).unwrap().slot, c)
         };
         // Each on its own compute: recomputing on the idle engine 1 (0.54 s) beats waiting
         // 1 s for the cached prefix.
@@ -632,7 +661,7 @@ mod tests {
         let router = Router::new(config());
         let choose = || {
             let c = candidates(&registry, &hashes, "t");
-            (router.choose(7, 270, &c).unwrap().slot, c)
+            (router.choose(7, 270, 0, &c).unwrap().slot, c)
         };
         let rates = |c: &[Candidate]| c.iter().map(|c| c.secs_per_token).collect::<Vec<_>>();
         // Each on its own compute, engine 1 is as fast as it reads: recomputing the prompt
@@ -654,9 +683,27 @@ mod tests {
     fn candidates_know_what_a_peer_could_send_them() {
         let (registry, engines, hashes) = fleet(3, &[0]);
         let peers = |c: &[Candidate]| c.iter().map(|c| c.peer_blocks).collect::<Vec<_>>();
-        // Engine 0 holds the 16 blocks and has room in its batch: it is where the request
-        // goes, so no one counts on fetching from it.
+        // Engine 0 holds the 16 blocks and has not reported: no one counts on fetching from it.
         assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 0, 0]);
+        // Reported with prefill to do (its steps are long), on compute of its own: still no one.
+        let on = |compute: &str, pending: u64| LoadReport {
+            max_seqs: 8,
+            running: 2,
+            pending_prefill_tokens: pending,
+            running_prefill_tokens: pending,
+            compute: compute.to_owned(),
+            ..LoadReport::default()
+        };
+        engines[0].set_report(Some(on("a", 200)));
+        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 0, 0]);
+        // Decoding only: engines on other compute may fetch from it, not one on its own cores.
+        engines[0].set_report(Some(on("a", 0)));
+        engines[1].set_report(Some(on("b", 0)));
+        engines[2].set_report(Some(on("a", 0)));
+        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 16, 0]);
+        for e in &engines {
+            e.set_report(None);
+        }
         // With its batch full, the others could fetch them; engine 0 needs nothing.
         engines[0].set_report(Some(LoadReport {
             max_seqs: 8,
@@ -701,7 +748,7 @@ mod tests {
         let router = Router::new(config());
         let choose = |tenant| {
             router
-                .choose(7, 270, &candidates(&registry, &hashes, tenant))
+                .choose(7, 270, 0, &candidates(&registry, &hashes, tenant))
                 .unwrap()
         };
         // "calm" waits for its share only (14 tokens): it stays with its cached prefix.
@@ -765,7 +812,7 @@ mod tests {
         e.set_engine_inflight(u64::MAX);
         e.inflight.store(u64::MAX, Ordering::Relaxed);
         assert_eq!(one("t").inflight, u64::MAX);
-        let _ = Router::new(config()).choose(1, 270, &candidates(&registry, &[], "t"));
+        let _ = Router::new(config()).choose(1, 270, 0, &candidates(&registry, &[], "t"));
         // An unreadable report is forgotten, not kept as the figures of an idle engine.
         e.set_report(None);
         assert!(e.report().1.is_none());
