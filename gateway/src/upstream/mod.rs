@@ -311,31 +311,16 @@ impl Registry {
         // room is the cheaper place for it), and whose current step ends well within a fetch's
         // deadline (a fetch waits for it; from an engine deep in a long prefill it would come
         // back partial or time out, and the rest be computed).
-        let peer_ok = |e: &Engine, r: &LoadReport| {
-            exclude & (1 << e.slot) == 0
-                && e.can_be_peer(now_ms)
-                && r.step_now_secs(req.prior_secs_per_token) <= PEER_STEP_LIMIT_SECS
-        };
-        let busy_peers = all
+        let peers = all
             .iter()
             .zip(&everyone)
             .filter(|(e, (r, _))| {
-                peer_ok(e, r) && (e.is_draining() || (r.max_seqs > 0 && r.running >= r.max_seqs))
+                exclude & (1 << e.slot) == 0
+                    && e.can_be_peer(now_ms)
+                    && (e.is_draining() || (r.max_seqs > 0 && r.running >= r.max_seqs))
+                    && r.step_now_secs(req.prior_secs_per_token) <= PEER_STEP_LIMIT_SECS
             })
             .fold(0u64, |m, (e, _)| m | (1 << e.slot));
-        // And holders that reported no prefill to do: their steps are decodes alone, between
-        // which they answer a fetch at once, so a tenant may move off a busier batch for the
-        // price of a transfer. They count for candidates on other compute only (moving work
-        // within one machine's cores gains nothing).
-        let quiet: Vec<(usize, &str)> = all
-            .iter()
-            .zip(&everyone)
-            .filter(|(e, (r, _))| {
-                peer_ok(e, r) && r.pending_prefill_tokens == 0 && e.report().1.is_some()
-            })
-            .map(|(e, (r, _))| (e.slot, r.compute.as_str()))
-            .collect();
-        let peers = quiet.iter().fold(busy_peers, |m, (s, _)| m | (1 << s));
         let matched = self
             .index
             .read()
@@ -362,16 +347,9 @@ impl Registry {
             .zip(&reports)
             .map(|(e, r)| e.candidate(r, matched[e.slot], &req))
             .collect();
-        for (c, (r, _)) in candidates.iter_mut().zip(&reports) {
-            let own = r.compute.as_str();
-            let lends = |s: usize| {
-                busy_peers & (1 << s) != 0
-                    || quiet
-                        .iter()
-                        .any(|&(q, cq)| q == s && (own.is_empty() || cq != own))
-            };
+        for c in &mut candidates {
             let best = (0..MAX_ENGINES)
-                .filter(|&s| s != c.slot && lends(s))
+                .filter(|&s| s != c.slot && peers & (1 << s) != 0)
                 .map(|s| matched[s].fast)
                 .max()
                 .unwrap_or(0);
@@ -683,27 +661,9 @@ mod tests {
     fn candidates_know_what_a_peer_could_send_them() {
         let (registry, engines, hashes) = fleet(3, &[0]);
         let peers = |c: &[Candidate]| c.iter().map(|c| c.peer_blocks).collect::<Vec<_>>();
-        // Engine 0 holds the 16 blocks and has not reported: no one counts on fetching from it.
+        // Engine 0 holds the 16 blocks and has room in its batch: it is where the request
+        // goes, so no one counts on fetching from it.
         assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 0, 0]);
-        // Reported with prefill to do (its steps are long), on compute of its own: still no one.
-        let on = |compute: &str, pending: u64| LoadReport {
-            max_seqs: 8,
-            running: 2,
-            pending_prefill_tokens: pending,
-            running_prefill_tokens: pending,
-            compute: compute.to_owned(),
-            ..LoadReport::default()
-        };
-        engines[0].set_report(Some(on("a", 200)));
-        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 0, 0]);
-        // Decoding only: engines on other compute may fetch from it, not one on its own cores.
-        engines[0].set_report(Some(on("a", 0)));
-        engines[1].set_report(Some(on("b", 0)));
-        engines[2].set_report(Some(on("a", 0)));
-        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 16, 0]);
-        for e in &engines {
-            e.set_report(None);
-        }
         // With its batch full, the others could fetch them; engine 0 needs nothing.
         engines[0].set_report(Some(LoadReport {
             max_seqs: 8,
