@@ -18,8 +18,10 @@
 //!   bad frame costs only that: the rest is computed, and the peer is not asked again for a
 //!   while. At most [`MAX_FETCHES`] run at once.
 //! - **Serving a fetch.** Blocks come from the device pool and the host tier, in order, and stop
-//!   at the first block neither holds. The engine thread reads them in chunks of 8; a blocking
-//!   thread frames and MACs them. At most [`MAX_EXPORTS`] transfers run at once, each for at most
+//!   at the first block neither holds. The engine thread reads them between its steps, as many
+//!   at a time as fit in [`EXPORT_CHUNK_BYTES`] (a prompt's whole prefix, for small models): a
+//!   transfer waits on the holder's step once, not once per few blocks. A blocking thread frames
+//!   and MACs them. At most [`MAX_EXPORTS`] transfers run at once, each for at most
 //!   30 s.
 
 use super::http::{self, error_response, RespBody};
@@ -45,8 +47,8 @@ pub const MAX_FETCH_BLOCKS: usize = 1024;
 pub const MAX_EXPORTS: usize = 2;
 /// Transfers this engine runs at once as the requester; a request past it computes instead.
 pub const MAX_FETCHES: usize = 2;
-/// Blocks per chunk a transfer reads from the engine thread.
-const EXPORT_CHUNK: usize = 8;
+/// The most block bytes a transfer reads from the engine thread at once (and holds in memory).
+const EXPORT_CHUNK_BYTES: usize = 32 << 20;
 /// How long a transfer may take to be served, whatever its reader does.
 const EXPORT_DEADLINE: Duration = Duration::from_secs(30);
 /// A fetch's time limit: this, plus [`FETCH_SECS_PER_BLOCK`] per block asked for.
@@ -131,6 +133,7 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
         from,
     } = parsed;
     let tokens = Arc::new(tokens);
+    let chunk = (EXPORT_CHUNK_BYTES / codec.block_bytes.max(1)).clamp(1, MAX_FETCH_BLOCKS);
     tokio::spawn(async move {
         let _permit = permit;
         let serve = async {
@@ -140,7 +143,7 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
                     scope: scope.clone(),
                     tokens: tokens.clone(),
                     from: from + sent,
-                    count: EXPORT_CHUNK.min(MAX_FETCH_BLOCKS - sent),
+                    count: chunk.min(MAX_FETCH_BLOCKS - sent),
                 };
                 let Some(frames) = ask(&state, |r| Command::Export(ask_for, r)).await else {
                     return sent;
@@ -173,7 +176,7 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
                     }
                 }
                 sent += n;
-                if n < EXPORT_CHUNK {
+                if n < chunk {
                     return sent;
                 }
             }
