@@ -12,4 +12,4 @@ pub mod weights;
 pub use config::ModelConfig;
 pub use error::ModelError;
 pub use generate::{GenerateOptions, Generator};
-pub use llama::{Batch, Llama, LoadOptions};
+pub use llama::{Batch, Blocks, Llama, LoadOptions};

@@ -44,6 +44,9 @@ pub struct ServerState {
     /// Bounds concurrent compiles, in all and per tenant.
     pub grammar_gate: crate::sampling::CompileGate,
     pub commands: mpsc::Sender<Command>,
+    /// Peers' asks for blocks, which the engine thread answers between steps and between a
+    /// step's layers (each is followed by [`Command::Exports`] on `commands`).
+    pub export_asks: mpsc::Sender<crate::worker::ExportJob>,
     /// The engine thread behind `commands`, for `/health`.
     pub engine: EngineThread,
     pub metrics: Arc<Stats>,

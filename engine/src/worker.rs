@@ -129,10 +129,14 @@ pub enum Command {
     ),
     /// A block a peer sent, checked, for the host tier.
     Import(disk::Frame),
-    /// For a peer: `tokens` hashed in `scope`, the blocks from `from` on, at most `count`, in
-    /// order, as far as the device pool and host tier hold them.
-    Export(ExportAsk, oneshot::Sender<Vec<disk::Frame>>),
+    /// Answer the exports waiting in the export queue ([`Worker::with_export_queue`]). The
+    /// engine thread also answers them between the layers of a step.
+    Exports,
 }
+
+/// For a peer: `tokens` hashed in `scope`, the blocks from `from` on, at most `count`, in order,
+/// as far as the device pool and host tier hold them.
+pub type ExportJob = (ExportAsk, oneshot::Sender<Vec<disk::Frame>>);
 
 /// What a peer asks to be sent: it must know the prompt (tokens and scope), not only hashes.
 #[derive(Debug)]
@@ -210,6 +214,8 @@ pub struct Worker<B: Backend> {
     peer: Option<disk::PeerCodec>,
     /// What it computes on ([`LoadReport::compute`]).
     compute: String,
+    /// Peers' asks for blocks, answered between steps and between a step's layers.
+    export_asks: Option<Receiver<ExportJob>>,
 }
 
 /// Stack of the thread that computes grammar masks beside the forward pass.
@@ -270,6 +276,7 @@ impl<B: Backend> Worker<B> {
             tier_rates: (0.0, 0.0),
             peer: None,
             compute: compute_id(&model.backend().compute_unit()),
+            export_asks: None,
             model,
         }
     }
@@ -293,6 +300,14 @@ impl<B: Backend> Worker<B> {
             m.tiers.disk_up = on;
             m.tiers.block_bytes = block_bytes;
         });
+        self
+    }
+
+    /// Answers peers' asks for blocks from `asks` (each followed by [`Command::Exports`]): between
+    /// steps, and between the layers of a step, so that a transfer need not wait for a long step
+    /// to end.
+    pub fn with_export_queue(mut self, asks: Receiver<ExportJob>) -> Self {
+        self.export_asks = Some(asks);
         self
     }
 
@@ -370,14 +385,7 @@ impl<B: Backend> Worker<B> {
                 let _ = reply.send(self.sched.kv.missing_run(&hashed));
             }
             Command::Import(frame) => self.import(frame),
-            Command::Export(ask, reply) => {
-                let scope = self.sched.kv.scope(&ask.scope);
-                let hashed = self.sched.kv.hash_prompt(scope, &ask.tokens);
-                let hashes = hashed.hashes();
-                let from = ask.from.min(hashes.len());
-                let to = from.saturating_add(ask.count).min(hashes.len());
-                let _ = reply.send(self.export(&hashes[from..to]));
-            }
+            Command::Exports => self.serve_exports(),
             Command::Status(reply) => {
                 let _ = reply.send(self.status());
             }
@@ -678,13 +686,27 @@ impl<B: Backend> Worker<B> {
         if tokens.is_empty() {
             return (Vec::new(), Vec::new());
         }
-        let logits = self.model.forward(&crate::model::Batch {
+        let batch = crate::model::Batch {
             tokens: &tokens,
             positions: &positions,
             slots: &slots,
             seqs: &seqs,
             logits_rows: &rows,
-        });
+        };
+        let logits = match &self.export_asks {
+            // Between layers, peers' asks are answered from the blocks this step does not
+            // write: every other block in the index was computed by an earlier step.
+            Some(asks) => {
+                let mut writing: Vec<u32> = slots.iter().map(|&s| s / bs as u32).collect();
+                writing.sort_unstable();
+                writing.dedup();
+                let (kv, swap_blocks) = (&self.sched.kv, self.swap_blocks);
+                self.model.forward_with(&batch, &mut |blocks| {
+                    tiers::serve_exports(kv, blocks, swap_blocks, asks, &writing)
+                })
+            }
+            None => self.model.forward(&batch),
+        };
         (logits, items.into_iter().filter(|i| i.sample).collect())
     }
 

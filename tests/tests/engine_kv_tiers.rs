@@ -292,6 +292,61 @@ fn a_prefix_comes_from_the_peer_that_holds_it_and_a_bad_peer_costs_only_a_recomp
     );
 }
 
+/// A peer answers a fetch while it computes (between the layers of a step), and never sends a
+/// block that the step is still writing: a taker that fetches a prompt while its holder is part
+/// way through it gets the blocks computed so far, computes the rest, and answers exactly as the
+/// holder does.
+#[test]
+fn a_peer_computing_the_prompt_sends_only_what_it_has_computed() {
+    use kvgate_tests::gateway::gated_engine;
+    let mut prompt = String::from("You are a careful assistant for questions about tides. ");
+    for i in 0..40 {
+        prompt.push_str(&format!(
+            "Rule {i}: answer about tides plainly, cite no sources, and keep to the point. "
+        ));
+    }
+    prompt.push_str("Now say one word.");
+    // Two blocks a step: the holder takes many steps over the prompt, and each one writes blocks
+    // of it.
+    let holder = gated_engine(
+        "blocks = 128
+[scheduler]
+max_batched_tokens = 32",
+    );
+    let taker = gated_engine(
+        "blocks = 128
+host_cache_blocks = 128",
+    );
+    let peer = format!("http://{}", holder.addr);
+    let want = std::thread::scope(|scope| {
+        let computing = scope.spawn(|| gated_ask(&holder, "acme", &prompt, &[]));
+        // Once the holder has allocated its fourth block, its first two are computed.
+        let started = std::time::Instant::now();
+        while holder.metric("kvgate_kv_blocks{state=\"used\"}") < 4.0 {
+            assert!(
+                started.elapsed().as_secs() < 120,
+                "the holder never started"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let hint = [("x-kvgate-prefix-peer", peer.as_str())];
+        let (got, cached) = gated_ask(&taker, "acme", &prompt, &hint);
+        let (want, _) = computing.join().unwrap();
+        assert_eq!(got, want, "a block the holder had not computed was sent");
+        assert!(cached >= 32, "only {cached} tokens came from the peer");
+        want
+    });
+    // The whole prompt, once computed, comes over in full.
+    let again = gated_engine(
+        "blocks = 128
+host_cache_blocks = 128",
+    );
+    let hint = [("x-kvgate-prefix-peer", peer.as_str())];
+    let (got, cached) = gated_ask(&again, "acme", &prompt, &hint);
+    assert_eq!(got, want);
+    assert!(cached >= 600, "only {cached} tokens came from the peer");
+}
+
 /// A tenant's blocks serve only its own scope in every tier: another tenant asking the same
 /// prompt computes it, whether the blocks sit in the pool, in host memory, or on disk after a
 /// restart, and gets exactly the same output.

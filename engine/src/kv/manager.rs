@@ -132,6 +132,11 @@ impl KvCacheManager {
         id
     }
 
+    /// The id of scope `name`, if it has been used here.
+    pub fn known_scope(&self, name: &str) -> Option<ScopeId> {
+        self.scope_ids.get(name).copied()
+    }
+
     pub fn scope_name(&self, scope: ScopeId) -> &str {
         &self.scopes[scope.0 as usize]
     }

@@ -89,6 +89,35 @@ impl<B: Backend> std::fmt::Debug for Llama<B> {
     }
 }
 
+/// Read access to a model's KV pools, device and host, every layer.
+pub struct Blocks<'a, B: Backend> {
+    backend: &'a B,
+    device: (&'a [B::Cache], &'a [B::Cache]),
+    host: (&'a [B::Cache], &'a [B::Cache]),
+    block_bytes: usize,
+}
+
+impl<B: Backend> std::fmt::Debug for Blocks<'_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Blocks")
+            .field("block_bytes", &self.block_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> Blocks<'_, B> {
+    /// Every layer's K then V of one block, as bytes: of host block `id` when `host`, else of
+    /// device block `id`.
+    pub fn read(&self, host: bool, id: u32) -> Vec<u8> {
+        let (k, v) = if host { self.host } else { self.device };
+        let mut out = Vec::with_capacity(self.block_bytes);
+        for cache in k.iter().chain(v.iter()) {
+            self.backend.read_block(cache, id, &mut out);
+        }
+        out
+    }
+}
+
 /// How to load a model.
 #[derive(Debug, Clone, Copy)]
 pub struct LoadOptions {
@@ -249,7 +278,19 @@ impl<B: Backend> Llama<B> {
 
     /// Runs one step and returns the logits of `batch.logits_rows`, row-major (`rows x vocab`).
     pub fn forward(&mut self, batch: &Batch<'_>) -> Vec<f32> {
+        self.forward_with(batch, &mut |_| {})
+    }
+
+    /// [`Self::forward`], calling `between_layers` after each layer with read access to the KV
+    /// pools: blocks this step does not write (`batch.slots`) may be read there, while the
+    /// step is in progress.
+    pub fn forward_with(
+        &mut self,
+        batch: &Batch<'_>,
+        between_layers: &mut dyn FnMut(&Blocks<'_, B>),
+    ) -> Vec<f32> {
         let n = batch.tokens.len();
+        let block_bytes = self.kv_block_bytes();
         let b = &self.backend;
         let s = &mut self.scratch;
         for t in [
@@ -298,6 +339,12 @@ impl<B: Backend> Llama<B> {
             b.silu_mul(&s.gate_up, &mut s.act);
             b.matmul(&s.act, &layer.down, None, &mut s.proj);
             b.add_assign(&mut s.x, &s.proj);
+            between_layers(&Blocks {
+                backend: b,
+                device: (&self.k_cache, &self.v_cache),
+                host: (&self.k_host, &self.v_host),
+                block_bytes,
+            });
         }
         let rows = batch.logits_rows.len();
         b.resize_rows(&mut s.last, rows);
@@ -352,19 +399,20 @@ impl<B: Backend> Llama<B> {
             * self.kv_dtype.size_bytes()
     }
 
+    /// Read access to the KV pools.
+    pub fn blocks(&self) -> Blocks<'_, B> {
+        Blocks {
+            backend: &self.backend,
+            device: (&self.k_cache, &self.v_cache),
+            host: (&self.k_host, &self.v_host),
+            block_bytes: self.kv_block_bytes(),
+        }
+    }
+
     /// Every layer's K then V of one block, as bytes: of host block `id` when `host`, else of
     /// device block `id`.
     pub fn read_block(&self, host: bool, id: u32) -> Vec<u8> {
-        let (k, v) = if host {
-            (&self.k_host, &self.v_host)
-        } else {
-            (&self.k_cache, &self.v_cache)
-        };
-        let mut out = Vec::with_capacity(self.kv_block_bytes());
-        for cache in k.iter().chain(v.iter()) {
-            self.backend.read_block(cache, id, &mut out);
-        }
-        out
+        self.blocks().read(host, id)
     }
 
     /// Overwrites host block `id` with bytes from [`Self::read_block`]. False (nothing written)

@@ -213,6 +213,7 @@ fn start_on<B: Backend + 'static>(
         }
     };
     let (tx, rx) = std::sync::mpsc::channel();
+    let (export_tx, export_rx) = std::sync::mpsc::channel();
     let worker = Worker::new(
         sched,
         model,
@@ -222,7 +223,8 @@ fn start_on<B: Backend + 'static>(
         kv_tx.clone(),
     )
     .with_stall_timeout(config.stalled_client_timeout())
-    .with_tiers(config.kv.host_blocks, disk_io, peer.clone());
+    .with_tiers(config.kv.host_blocks, disk_io, peer.clone())
+    .with_export_queue(export_rx);
     let engine = EngineThread::spawn(DEFAULT_STALL_AFTER, move |beat| worker.run(rx, beat))
         .map_err(LaunchError::Thread)?;
     let tracer = kvgate_http::trace::Tracer::start(&config.tracing, "kvgate-engine")
@@ -237,6 +239,7 @@ fn start_on<B: Backend + 'static>(
         grammars,
         grammar_gate: Default::default(),
         commands: tx,
+        export_asks: export_tx,
         engine,
         metrics,
         kv_events: kv_tx,

@@ -18,10 +18,11 @@
 //!   bad frame costs only that: the rest is computed, and the peer is not asked again for a
 //!   while. At most [`MAX_FETCHES`] run at once.
 //! - **Serving a fetch.** Blocks come from the device pool and the host tier, in order, and stop
-//!   at the first block neither holds. The engine thread reads them between its steps, as many
-//!   at a time as fit in [`EXPORT_CHUNK_BYTES`] (a prompt's whole prefix, for small models): a
-//!   transfer waits on the holder's step once, not once per few blocks. A blocking thread frames
-//!   and MACs them. At most [`MAX_EXPORTS`] transfers run at once, each for at most
+//!   at the first block neither holds. The engine thread reads them between its steps, or
+//!   between the layers of a step in progress (every block but those the step writes was
+//!   computed before it), as many at a time as fit in [`EXPORT_CHUNK_BYTES`] (a prompt's whole
+//!   prefix, for small models): a transfer waits a layer's time, not a step's. A blocking thread
+//!   frames and MACs them. At most [`MAX_EXPORTS`] transfers run at once, each for at most
 //!   30 s.
 
 use super::http::{self, error_response, RespBody};
@@ -145,7 +146,13 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
                     from: from + sent,
                     count: chunk.min(MAX_FETCH_BLOCKS - sent),
                 };
-                let Some(frames) = ask(&state, |r| Command::Export(ask_for, r)).await else {
+                let (reply, frames) = oneshot::channel();
+                if state.export_asks.send((ask_for, reply)).is_err()
+                    || state.commands.send(Command::Exports).is_err()
+                {
+                    return sent;
+                }
+                let Ok(frames) = frames.await else {
                     return sent;
                 };
                 let n = frames.len();

@@ -4,13 +4,16 @@
 //! in and gives out the blocks of peer transfers.
 
 use super::disk::{self, DiskIo, Done, Frame};
-use super::{Submit, Worker};
+use super::{ExportJob, Submit, Worker};
+use crate::kv::KvCacheManager;
 use crate::kv::TierOp;
+use crate::model::Blocks;
 use crate::scheduler::GroupId;
 use kvgate_kernels::Backend;
 use kvgate_protocol::BlockHash;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -377,22 +380,53 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    /// The blocks of `hashes`, in order, as far as the device pool and the host tier hold them
-    /// (framed off this thread, by the caller).
-    pub(super) fn export(&self, hashes: &[BlockHash]) -> Vec<Frame> {
-        if self.peer.is_none() {
-            return Vec::new();
+    /// Answers every export waiting in the queue, between two steps.
+    pub(super) fn serve_exports(&self) {
+        if let Some(asks) = &self.export_asks {
+            serve_exports(
+                &self.sched.kv,
+                &self.model.blocks(),
+                self.swap_blocks,
+                asks,
+                &[],
+            );
         }
-        let kv = &self.sched.kv;
+    }
+}
+
+/// Answers every export waiting in `asks`: for each, the blocks of its prompt (hashed in its
+/// scope) from its `from` on, in order, as far as the device pool and the host tier hold them,
+/// stopping at a device block in `writing` (sorted: the blocks a step in progress writes). The
+/// caller frames them off this thread.
+pub(super) fn serve_exports<B: Backend>(
+    kv: &KvCacheManager,
+    blocks: &Blocks<'_, B>,
+    swap_blocks: u32,
+    asks: &Receiver<ExportJob>,
+    writing: &[u32],
+) {
+    while let Ok((ask, reply)) = asks.try_recv() {
+        // A scope this engine never used holds nothing here.
+        let Some(scope) = kv.known_scope(&ask.scope) else {
+            let _ = reply.send(Vec::new());
+            continue;
+        };
+        let hashed = kv.hash_prompt(scope, &ask.tokens);
+        let hashes = hashed.hashes();
+        let from = ask.from.min(hashes.len());
+        let to = from.saturating_add(ask.count).min(hashes.len());
         let mut out = Vec::new();
-        for &hash in hashes {
+        for &hash in &hashes[from..to] {
             let (bytes, scope) = if let Some(id) = kv.index().get(hash) {
-                (self.model.read_block(false, id.0), kv.pool().meta(id).scope)
+                if writing.binary_search(&id.0).is_ok() {
+                    break;
+                }
+                (blocks.read(false, id.0), kv.pool().meta(id).scope)
             } else if let Some(slot) = kv.host_tier().get(hash) {
                 let Some(b) = kv.host_tier().block(slot) else {
                     break;
                 };
-                (self.model.read_block(true, self.host_slot(slot)), b.scope)
+                (blocks.read(true, swap_blocks + slot), b.scope)
             } else {
                 break;
             };
@@ -402,6 +436,6 @@ impl<B: Backend> Worker<B> {
                 payload: bytes,
             });
         }
-        out
+        let _ = reply.send(out);
     }
 }
