@@ -127,18 +127,6 @@ impl LoadReport {
         }
     }
 
-    /// Seconds of the step the engine is in or starts next, as of this report: its fixed cost,
-    /// and the prefill pending (up to one step's tokens) beside the running decodes. A peer
-    /// fetch from this engine waits for it: the engine's thread reads the blocks out between
-    /// steps.
-    pub fn step_now_secs(&self, prior: f64) -> f64 {
-        let tokens = self
-            .pending_prefill_tokens
-            .saturating_add(u64::from(self.running))
-            .min(u64::from(self.max_batched_tokens.max(1)));
-        self.step_secs + tokens as f64 * self.secs_per_token(prior)
-    }
-
     /// Seconds to prefill `tokens` in chunks beside the running batch's decodes.
     pub fn prefill_secs(&self, tokens: u64, prior: f64) -> f64 {
         if tokens == 0 {

@@ -307,20 +307,31 @@ impl Registry {
             .map(|e| (e.report().0, e.total_inflight()))
             .collect();
         // Engines a candidate may count on to send it the prefix: those `best_peer` picks from
-        // that would not take the request themselves, draining or with a full batch (one with
-        // room is the cheaper place for it), and whose current step ends well within a fetch's
-        // deadline (a fetch waits for it; from an engine deep in a long prefill it would come
-        // back partial or time out, and the rest be computed).
-        let peers = all
+        // (up, circuit closed). An engine answers a fetch between the layers of its step in
+        // progress, so its own work does not hold a transfer up. Those that would not take the
+        // request themselves (draining, or with a full batch) count for every candidate.
+        let peer_ok = |e: &Engine| exclude & (1 << e.slot) == 0 && e.can_be_peer(now_ms);
+        let busy_peers = all
             .iter()
             .zip(&everyone)
             .filter(|(e, (r, _))| {
-                exclude & (1 << e.slot) == 0
-                    && e.can_be_peer(now_ms)
-                    && (e.is_draining() || (r.max_seqs > 0 && r.running >= r.max_seqs))
-                    && r.step_now_secs(req.prior_secs_per_token) <= PEER_STEP_LIMIT_SECS
+                peer_ok(e) && (e.is_draining() || (r.max_seqs > 0 && r.running >= r.max_seqs))
             })
             .fold(0u64, |m, (e, _)| m | (1 << e.slot));
+        // The others (those that reported) count so that a tenant may move off a busier batch
+        // for the price of a transfer: for candidates on other compute only (moving work within
+        // one machine's cores gains nothing), and whose free blocks hold the request and as many
+        // blocks again as the pool caches. A pool that far from full is not evicting, so the
+        // copy does not trade another tenant's cached prefix for a second copy of this one.
+        // (Counting free blocks alone let copies fill a small pool while it warmed up, and the
+        // tenants evicted later.)
+        let quiet: Vec<(usize, &str)> = all
+            .iter()
+            .zip(&everyone)
+            .filter(|(e, _)| peer_ok(e) && e.report().1.is_some())
+            .map(|(e, (r, _))| (e.slot, r.compute.as_str()))
+            .collect();
+        let peers = quiet.iter().fold(busy_peers, |m, (s, _)| m | (1 << s));
         let matched = self
             .index
             .read()
@@ -347,9 +358,23 @@ impl Registry {
             .zip(&reports)
             .map(|(e, r)| e.candidate(r, matched[e.slot], &req))
             .collect();
-        for c in &mut candidates {
+        let prompt_blocks = req.prompt_tokens.div_ceil(req.block_size.max(1) as usize) as u64;
+        for (c, (r, _)) in candidates.iter_mut().zip(&reports) {
+            let own = r.compute.as_str();
+            let cached = r.available_blocks.saturating_sub(r.free_blocks);
+            let room = c.free_blocks
+                >= prompt_blocks
+                    .saturating_sub(u64::from(c.matched_blocks))
+                    .saturating_add(cached);
+            let lends = |s: usize| {
+                busy_peers & (1 << s) != 0
+                    || (room
+                        && quiet
+                            .iter()
+                            .any(|&(q, cq)| q == s && (own.is_empty() || cq != own)))
+            };
             let best = (0..MAX_ENGINES)
-                .filter(|&s| s != c.slot && peers & (1 << s) != 0)
+                .filter(|&s| s != c.slot && lends(s))
                 .map(|s| matched[s].fast)
                 .max()
                 .unwrap_or(0);
@@ -391,10 +416,6 @@ impl Registry {
 }
 
 pub use crate::routing::PEER_MIN_GAIN_BLOCKS;
-
-/// A holder whose current step takes longer than this is not counted on as a peer: an
-/// engine's fetch gives up after 1 s (plus 5 ms a block).
-const PEER_STEP_LIMIT_SECS: f64 = 0.5;
 
 impl Registry {
     /// The engine other than `chosen` (and those in `exclude`, which failed this request) that
@@ -661,9 +682,37 @@ mod tests {
     fn candidates_know_what_a_peer_could_send_them() {
         let (registry, engines, hashes) = fleet(3, &[0]);
         let peers = |c: &[Candidate]| c.iter().map(|c| c.peer_blocks).collect::<Vec<_>>();
-        // Engine 0 holds the 16 blocks and has room in its batch: it is where the request
-        // goes, so no one counts on fetching from it.
+        // Engine 0 holds the 16 blocks and has not reported: no one counts on fetching from it.
         assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 0, 0]);
+        let on = |compute: &str, pending: u64, free_blocks: u64| LoadReport {
+            available_blocks: free_blocks + 10,
+            max_seqs: 8,
+            running: 2,
+            pending_prefill_tokens: pending,
+            running_prefill_tokens: pending,
+            compute: compute.to_owned(),
+            free_blocks,
+            ..LoadReport::default()
+        };
+        // Engine 0 reports; the others have not, so their free blocks are unknown: no one.
+        engines[0].set_report(Some(on("a", 200, 100)));
+        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 0, 0]);
+        // Engines on other compute whose pools have room count on it, prefill pending or not
+        // (it answers between the layers of its steps); not one on its own cores.
+        engines[1].set_report(Some(on("b", 0, 100)));
+        engines[2].set_report(Some(on("a", 0, 100)));
+        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 16, 0]);
+        // Nor one whose free blocks do not hold the request and as much again as its pool
+        // caches (10 blocks here): the 17-block copy needs 27.
+        engines[1].set_report(Some(on("b", 0, 26)));
+        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 0, 0]);
+        engines[1].set_report(Some(on("b", 0, 27)));
+        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 16, 0]);
+        engines[1].set_report(Some(on("b", 0, 15)));
+        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 0, 0]);
+        for e in &engines {
+            e.set_report(None);
+        }
         // With its batch full, the others could fetch them; engine 0 needs nothing.
         engines[0].set_report(Some(LoadReport {
             max_seqs: 8,
