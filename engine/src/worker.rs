@@ -696,13 +696,21 @@ impl<B: Backend> Worker<B> {
         let logits = match &self.export_asks {
             // Between layers, peers' asks are answered from the blocks this step does not
             // write: every other block in the index was computed by an earlier step.
+            // The step's blocks are listed on the first ask, not every step.
             Some(asks) => {
-                let mut writing: Vec<u32> = slots.iter().map(|&s| s / bs as u32).collect();
-                writing.sort_unstable();
-                writing.dedup();
+                let writing = std::cell::OnceCell::new();
+                let written = |id: u32| {
+                    let ids: &Vec<u32> = writing.get_or_init(|| {
+                        let mut ids: Vec<u32> = slots.iter().map(|&s| s / bs as u32).collect();
+                        ids.sort_unstable();
+                        ids.dedup();
+                        ids
+                    });
+                    ids.binary_search(&id).is_ok()
+                };
                 let (kv, swap_blocks) = (&self.sched.kv, self.swap_blocks);
                 self.model.forward_with(&batch, &mut |blocks| {
-                    tiers::serve_exports(kv, blocks, swap_blocks, asks, &writing)
+                    tiers::serve_exports(kv, blocks, swap_blocks, asks, written)
                 })
             }
             None => self.model.forward(&batch),

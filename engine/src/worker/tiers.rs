@@ -388,7 +388,7 @@ impl<B: Backend> Worker<B> {
                 &self.model.blocks(),
                 self.swap_blocks,
                 asks,
-                &[],
+                |_| false,
             );
         }
     }
@@ -396,14 +396,14 @@ impl<B: Backend> Worker<B> {
 
 /// Answers every export waiting in `asks`: for each, the blocks of its prompt (hashed in its
 /// scope) from its `from` on, in order, as far as the device pool and the host tier hold them,
-/// stopping at a device block in `writing` (sorted: the blocks a step in progress writes). The
+/// stopping at a device block for which `writing` is true (one a step in progress writes). The
 /// caller frames them off this thread.
 pub(super) fn serve_exports<B: Backend>(
     kv: &KvCacheManager,
     blocks: &Blocks<'_, B>,
     swap_blocks: u32,
     asks: &Receiver<ExportJob>,
-    writing: &[u32],
+    writing: impl Fn(u32) -> bool,
 ) {
     while let Ok((ask, reply)) = asks.try_recv() {
         // A scope this engine never used holds nothing here.
@@ -411,14 +411,20 @@ pub(super) fn serve_exports<B: Backend>(
             let _ = reply.send(Vec::new());
             continue;
         };
-        let hashed = kv.hash_prompt(scope, &ask.tokens);
+        // Only the tokens up to the last block asked for are hashed.
+        let reach = ask
+            .from
+            .saturating_add(ask.count)
+            .saturating_mul(kv.block_size())
+            .min(ask.tokens.len());
+        let hashed = kv.hash_prompt(scope, &ask.tokens[..reach]);
         let hashes = hashed.hashes();
         let from = ask.from.min(hashes.len());
         let to = from.saturating_add(ask.count).min(hashes.len());
         let mut out = Vec::new();
         for &hash in &hashes[from..to] {
             let (bytes, scope) = if let Some(id) = kv.index().get(hash) {
-                if writing.binary_search(&id.0).is_ok() {
+                if writing(id.0) {
                     break;
                 }
                 (blocks.read(false, id.0), kv.pool().meta(id).scope)

@@ -308,30 +308,25 @@ impl Registry {
             .collect();
         // Engines a candidate may count on to send it the prefix: those `best_peer` picks from
         // (up, circuit closed). An engine answers a fetch between the layers of its step in
-        // progress, so its own work does not hold a transfer up. Those that would not take the
-        // request themselves (draining, or with a full batch) count for every candidate.
-        let peer_ok = |e: &Engine| exclude & (1 << e.slot) == 0 && e.can_be_peer(now_ms);
-        let busy_peers = all
+        // progress, so its own work does not hold a transfer up. Each is listed with its
+        // compute and whether it would not take the request itself (draining, or with a full
+        // batch): such a holder counts for every candidate. The others (those that reported)
+        // count so that a tenant may move off a busier batch for the price of a transfer: for
+        // candidates on other compute only (moving work within one machine's cores gains
+        // nothing), and whose free blocks hold the request and as many blocks again as the pool
+        // caches. A pool that far from full is not evicting, so the copy does not trade another
+        // tenant's cached prefix for a second copy of this one. (Counting free blocks alone let
+        // copies fill a small pool while it warmed up, and the tenants evicted later.)
+        let holders: Vec<(usize, &str, bool)> = all
             .iter()
             .zip(&everyone)
-            .filter(|(e, (r, _))| {
-                peer_ok(e) && (e.is_draining() || (r.max_seqs > 0 && r.running >= r.max_seqs))
+            .filter(|(e, _)| exclude & (1 << e.slot) == 0 && e.can_be_peer(now_ms))
+            .filter_map(|(e, (r, _))| {
+                let busy = e.is_draining() || (r.max_seqs > 0 && r.running >= r.max_seqs);
+                (busy || e.report().1.is_some()).then_some((e.slot, r.compute.as_str(), busy))
             })
-            .fold(0u64, |m, (e, _)| m | (1 << e.slot));
-        // The others (those that reported) count so that a tenant may move off a busier batch
-        // for the price of a transfer: for candidates on other compute only (moving work within
-        // one machine's cores gains nothing), and whose free blocks hold the request and as many
-        // blocks again as the pool caches. A pool that far from full is not evicting, so the
-        // copy does not trade another tenant's cached prefix for a second copy of this one.
-        // (Counting free blocks alone let copies fill a small pool while it warmed up, and the
-        // tenants evicted later.)
-        let quiet: Vec<(usize, &str)> = all
-            .iter()
-            .zip(&everyone)
-            .filter(|(e, _)| peer_ok(e) && e.report().1.is_some())
-            .map(|(e, (r, _))| (e.slot, r.compute.as_str()))
             .collect();
-        let peers = quiet.iter().fold(busy_peers, |m, (s, _)| m | (1 << s));
+        let peers = holders.iter().fold(0u64, |m, (s, ..)| m | (1 << s));
         let matched = self
             .index
             .read()
@@ -366,16 +361,12 @@ impl Registry {
                 >= prompt_blocks
                     .saturating_sub(u64::from(c.matched_blocks))
                     .saturating_add(cached);
-            let lends = |s: usize| {
-                busy_peers & (1 << s) != 0
-                    || (room
-                        && quiet
-                            .iter()
-                            .any(|&(q, cq)| q == s && (own.is_empty() || cq != own)))
-            };
-            let best = (0..MAX_ENGINES)
-                .filter(|&s| s != c.slot && lends(s))
-                .map(|s| matched[s].fast)
+            let best = holders
+                .iter()
+                .filter(|&&(s, compute, busy)| {
+                    s != c.slot && (busy || (room && (own.is_empty() || compute != own)))
+                })
+                .map(|&(s, ..)| matched[s].fast)
                 .max()
                 .unwrap_or(0);
             if best >= c.matched_blocks + PEER_MIN_GAIN_BLOCKS {
