@@ -10,23 +10,31 @@
 //! With `clients`, arrivals are a closed loop instead: that many clients, each sending the next
 //! request of the trace when its last one is answered (as `scripts/bench-routing` does). With
 //! `cores`, the engines share that many compute units: while more engines are busy than units,
-//! each runs at units / busy of its speed (its phases are rescheduled whenever that changes), and
+//! each runs at units / busy of its speed (its steps are rescheduled whenever that changes), and
 //! the router sees, as the gateway does from the engines' compute reports, every engine's
-//! requests in flight as sharing the compute. The simulated engines fetch nothing from peers.
+//! requests in flight as sharing the compute.
 //!
-//! Each engine is one FIFO server: a request's service is its prefill (the prompt tokens its cache
-//! does not hold, at `prefill_tps`) then its decode (`output / decode_tps`, the engine's batched
-//! decode throughput amortized per request). Its prefix cache holds `capacity_blocks` prompt blocks
-//! with LRU eviction at block granularity; blocks of one request are released tail first, so a
-//! prefix loses its last blocks before its first ones (as the engine's block pool does). When a
-//! prefill ends, the engine's new blocks are stored and evictions happen, and the gateway's
-//! [`PrefixIndex`] gets the same inserts and removals (KV events, delivered instantly).
+//! Each engine runs a continuous batch as the engine's scheduler does: every step decodes a token
+//! for each sequence past its prefill and, within the token budget (`max_batched_tokens`; at most
+//! `decode_step_prefill_tokens` beside decodes), computes chunks of the prefills in progress and
+//! then of new sequences, admitted while the batch has a seat (`max_seqs`) and the pool the
+//! blocks of their prompt and answer, across tenants by fair queuing. A step takes the time that
+//! `step_curve` (measured on a real engine) gives for its tokens, or a fixed time plus a time per
+//! token, and the engine reports the fit of its steps' times ([`StepCost`]) as an engine does. The pool holds `capacity_blocks` blocks: those
+//! sequences hold, and the full prompt blocks none holds, cached and evicted least recently used
+//! at block granularity; a finished sequence releases its blocks tail first, so a prefix loses
+//! its last blocks before its first ones (as the engine's block pool does). With `max_seqs` 1 an
+//! engine serves one request at a time. A new sequence's blocks enter the index when it is
+//! admitted, evicted ones leave it: the gateway's [`PrefixIndex`] gets the same inserts and
+//! removals (KV events, delivered at once).
 //!
-//! The router sees what the gateway computes ([`kvgate_gateway::upstream::Registry::candidates`]):
-//! `matched_blocks` from the index, the requests in flight on each engine, its seconds per
-//! prefill token (`1 / prefill_tps`), and its wait: what a simulated engine would report, the
-//! time until it has served everything routed to it so far (the prefill estimated at routing
-//! time and the decode of every queued request; this engine serves one request at a time).
+//! The router is the gateway's own: the simulator gives each engine's state as the gateway sees
+//! it ([`EngineView`]: the engine's [`LoadReport`], built as the engine's worker builds it, fresh
+//! at every decision; the requests in flight; the prompt tokens routed whose first token has not
+//! come back) to the same [`candidates`] and [`Router::choose`] the gateway calls. When the
+//! gateway would name a peer ([`best_peer`], holding `PEER_MIN_GAIN_BLOCKS` more than the chosen
+//! engine), the request reaches its engine after the transfer (`peer_load_secs_per_block` a
+//! block) and the blocks the peer still holds then are stored there, cached.
 //!
 //! With `host_blocks > 0` each engine also has a host tier: a second LRU of that many blocks that
 //! takes the device cache's evictions (and drops its own oldest). A request whose cached run
@@ -44,10 +52,12 @@
 
 use kvgate_gateway::routing::index::{PrefixIndex, MAX_ENGINES};
 use kvgate_gateway::routing::prefix::PromptHasher;
-use kvgate_gateway::routing::{engine_id, Candidate, Policy, Router, RouterConfig};
-use kvgate_gateway::upstream::{Registry, RouteRequest};
+use kvgate_gateway::routing::{
+    engine_id, Policy, Router, RouterConfig, MAX_PEER_FETCH_BLOCKS, PEER_MIN_GAIN_BLOCKS,
+};
+use kvgate_gateway::upstream::{best_peer, candidates, EngineView, Registry, RouteRequest};
 use kvgate_protocol::prompt::{ChatMessage, PromptError, PromptRenderer};
-use kvgate_protocol::{BlockHash, BlockHasher, HashParams, LoadReport, Tier};
+use kvgate_protocol::{BlockHash, BlockHasher, HashParams, LoadReport, StepCost, Tier};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -77,10 +87,24 @@ pub struct SimConfig {
     pub utilization: f64,
     /// Requests per second; `None`: derived from `utilization`.
     pub rate: Option<f64>,
-    /// Prefill throughput of one engine, tokens/s.
+    /// Prefill throughput of one engine, tokens/s: a step's seconds per token are its inverse.
     pub prefill_tps: f64,
-    /// Decode throughput of one engine (all of its batch), tokens/s.
+    /// Decode tokens/s of one sequence alone in its engine's batch: a step's fixed seconds are
+    /// `1 / decode_tps` less one token's. With `max_seqs` 1 (a request at a time), the
+    /// engine's whole decode throughput amortized per request.
     pub decode_tps: f64,
+    /// Sequences in an engine's running batch at most (`scheduler.max_seqs`).
+    pub max_seqs: usize,
+    /// Tokens of one step at most (`scheduler.max_batched_tokens`).
+    pub max_batched_tokens: usize,
+    /// Prompt tokens of a step that also decodes at most (0: no such limit).
+    pub decode_step_prefill_tokens: usize,
+    /// Seconds to fetch one block from a peer engine.
+    pub peer_load_secs_per_block: f64,
+    /// A step's seconds at full speed by its tokens, as measured on an engine: points
+    /// `(tokens, secs)` in increasing tokens, joined by straight lines and extended past the last
+    /// with the last segment's slope. Empty: the line of `prefill_tps` and `decode_tps`.
+    pub step_curve: Vec<(usize, f64)>,
     pub load_factor: f64,
     /// Host-tier blocks per engine (0: no host tier).
     pub host_blocks: usize,
@@ -113,12 +137,37 @@ impl Default for SimConfig {
             rate: None,
             prefill_tps: 16_000.0,
             decode_tps: 2_000.0,
+            max_seqs: 1,
+            max_batched_tokens: 2048,
+            decode_step_prefill_tokens: 256,
+            peer_load_secs_per_block: kvgate_protocol::load::PRIOR_PEER_LOAD_SECS_PER_BLOCK,
+            step_curve: Vec::new(),
             load_factor: routing.load_factor,
             host_blocks: 0,
             host_load_secs_per_block: kvgate_protocol::load::PRIOR_HOST_LOAD_SECS_PER_BLOCK,
             clients: None,
             cores: None,
         }
+    }
+}
+
+impl SimConfig {
+    /// Seconds of a step of `tokens` tokens at full speed: on `step_curve`, or a fixed time
+    /// (`1 / decode_tps` less a token's) plus `1 / prefill_tps` a token.
+    pub fn step_secs(&self, tokens: usize) -> f64 {
+        let x = tokens as f64;
+        let c = &self.step_curve;
+        if c.len() < 2 {
+            let per_token = 1.0 / self.prefill_tps;
+            let fixed = c
+                .first()
+                .map_or((1.0 / self.decode_tps - per_token).max(0.0), |p| p.1);
+            return fixed + x * per_token;
+        }
+        let k = c.partition_point(|p| p.0 < tokens).clamp(1, c.len() - 1);
+        let ((x0, y0), (x1, y1)) = (c[k - 1], c[k]);
+        let slope = (y1 - y0) / (x1 as f64 - x0 as f64).max(1.0);
+        (y0 + slope * (x - x0 as f64)).max(0.0)
     }
 }
 
@@ -234,10 +283,14 @@ impl Trace {
                 output_tokens: output as u32,
             });
         }
-        let max_blocks = requests.iter().map(|r| r.hashes.len()).max().unwrap_or(0);
+        let max_blocks = requests
+            .iter()
+            .map(|r| (r.prompt_tokens + r.output_tokens).div_ceil(config.block_size) as usize)
+            .max()
+            .unwrap_or(0);
         assert!(
             capacity_blocks >= 2 * max_blocks,
-            "capacity of {capacity_blocks} blocks is under twice the longest prompt ({max_blocks} blocks)"
+            "capacity of {capacity_blocks} blocks is under twice the longest request ({max_blocks} blocks)"
         );
         Trace {
             config: config.clone(),
@@ -322,11 +375,6 @@ impl Lru {
         self.stamp.contains_key(&h.0)
     }
 
-    /// Leading blocks of `hashes` held.
-    fn prefix(&self, hashes: &[BlockHash]) -> usize {
-        hashes.iter().take_while(|h| self.contains(**h)).count()
-    }
-
     fn touch(&mut self, h: u128) {
         self.clock += 1;
         if let Some(old) = self.stamp.insert(h, self.clock) {
@@ -370,42 +418,140 @@ impl Ord for Time {
     }
 }
 
-/// An engine's current request reaching the end of a phase; the second field is the engine's
-/// phase generation when it was scheduled (a phase rescheduled after a change of speed leaves
-/// its earlier event stale).
+/// What happens next: an engine's step ends (the second field is the engine's step count when
+/// it was scheduled: a step rescheduled after a change of speed leaves its earlier event
+/// stale), or a request's prefix has come from a peer (engine, request, peer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
-    PrefillDone(usize, u64),
-    Done(usize, u64),
+    Step(usize, u64),
+    Fetched(usize, usize, usize),
 }
 
-/// The phase an engine's current request is in, and the work left in it.
+/// An engine's step in progress.
 #[derive(Debug, Clone, Copy)]
 struct Phase {
-    decoding: bool,
     /// Seconds of work left at full speed, as of `since`.
     left: f64,
     since: f64,
     generation: u64,
 }
 
+/// A sequence in an engine's running batch.
+#[derive(Debug)]
+struct Seq {
+    req: usize,
+    /// Prompt tokens in the KV cache: found cached, or computed.
+    prefilled: usize,
+    /// Prompt tokens the step in progress computes for it.
+    chunk: usize,
+    /// Tokens generated (the first by the step that ends its prefill).
+    generated: u32,
+    /// Blocks it holds outside the index: its prompt's last partial block and its answer's.
+    private: usize,
+}
+
 #[derive(Debug)]
 struct Engine {
     slot: usize,
     id: u64,
+    /// Full prompt blocks no sequence holds: the prefix cache, evicted LRU.
     cache: Lru,
-    /// The host tier: the device cache's evictions, until evicted in turn.
+    /// Full prompt blocks sequences hold, each with how many hold it.
+    held: HashMap<u128, u32>,
+    /// Blocks sequences hold outside the index.
+    private: usize,
+    /// The host tier: the device pool's evictions, until evicted in turn.
     host: Lru,
-    queue: VecDeque<usize>,
-    current: Option<usize>,
+    /// Requests waiting for a seat in the batch, in arrival order.
+    waiting: VecDeque<usize>,
+    running: Vec<Seq>,
+    /// The step in progress (`None`: idle).
     phase: Option<Phase>,
-    /// When it will have served everything routed to it, as estimated at routing time.
-    free_at: f64,
-    /// Blocks that queued and in-service requests will store (the oracle's foresight).
+    /// Steps begun: the next one's generation.
+    steps: u64,
+    /// The step in progress: its tokens and when it began.
+    step_tokens: usize,
+    step_began: f64,
+    /// The fit of its steps' times that it reports, as an engine's worker keeps it.
+    cost: StepCost,
+    /// Prompt tokens each tenant has had computed here (fair queuing across tenants).
+    served: HashMap<u32, u64>,
+    /// Blocks that routed, unfinished prefills will store (the oracle's foresight).
     pending: HashMap<u128, u32>,
+    /// Requests routed here and not answered.
+    inflight: u64,
+    /// Prompt tokens routed here whose first token has not come back (the gateway's count).
+    queued_prefill: u64,
     requests: u64,
     computed_tokens: u64,
     busy_s: f64,
+}
+
+impl Engine {
+    /// Blocks free and holding nothing, of a pool of `capacity`.
+    fn free(&self, capacity: usize) -> usize {
+        capacity.saturating_sub(self.cache.len() + self.held.len() + self.private)
+    }
+
+    fn holds(&self, h: BlockHash) -> bool {
+        self.cache.contains(h) || self.held.contains_key(&h.0)
+    }
+
+    /// Leading blocks of `hashes` in the device pool.
+    fn device_prefix(&self, hashes: &[BlockHash]) -> usize {
+        hashes.iter().take_while(|h| self.holds(**h)).count()
+    }
+
+    /// Leading blocks of `hashes` it could send a peer: in the device pool or the host tier.
+    fn fast_prefix(&self, hashes: &[BlockHash]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.holds(**h) || self.host.contains(**h))
+            .count()
+    }
+
+    /// Makes one block free, evicting the least recently used cached block if none is (to the
+    /// host tier when it has one; the index hears of it). False when every block is held.
+    fn make_room(
+        &mut self,
+        capacity: usize,
+        host_capacity: usize,
+        index: &mut PrefixIndex,
+    ) -> bool {
+        if self.free(capacity) > 0 {
+            return true;
+        }
+        let Some(old) = self.cache.evict_oldest() else {
+            return false;
+        };
+        if host_capacity == 0 {
+            index.remove(self.slot, BlockHash(old));
+        } else {
+            // Demoted, not lost; the host tier drops its own oldest to make room.
+            if self.host.len() >= host_capacity {
+                if let Some(gone) = self.host.evict_oldest() {
+                    index.remove(self.slot, BlockHash(gone));
+                }
+            }
+            self.host.touch(old);
+            index.insert_at(self.slot, BlockHash(old), Tier::Host);
+        }
+        true
+    }
+
+    /// Makes `h` a block of the device pool that one more sequence holds: from the cache, from
+    /// the host tier or newly computed (`make_room` has made a block free for the last two).
+    fn hold(&mut self, h: BlockHash, index: &mut PrefixIndex) {
+        if let Some(n) = self.held.get_mut(&h.0) {
+            *n += 1;
+            return;
+        }
+        if !self.cache.remove(h.0) {
+            self.host.remove(h.0);
+            index.insert(self.slot, h);
+        }
+        self.held.insert(h.0, 1);
+    }
 }
 
 /// One policy's figures on one trace.
@@ -440,6 +586,9 @@ pub struct PolicyResult {
     pub per_engine_tokens: Vec<u64>,
     /// Decisions per reason.
     pub reasons: BTreeMap<String, u64>,
+    /// Requests told to fetch their prefix from a peer, and the prompt tokens that came over.
+    pub peer_fetches: u64,
+    pub peer_tokens: u64,
 }
 
 fn max_over_mean(v: &[f64]) -> f64 {
@@ -480,8 +629,8 @@ pub fn run(trace: &Trace, policy: SimPolicy, verify: bool) -> PolicyResult {
 }
 
 /// The state of one policy's run: the engines, the index the router reads, the pending events
-/// and the figures so far. One method per event: an arrival, a prefill finishing, a request
-/// finishing.
+/// and the figures so far. One method per event: an arrival, a step ending, a prefix arriving
+/// from a peer.
 struct Simulation<'a> {
     trace: &'a Trace,
     policy: SimPolicy,
@@ -489,19 +638,22 @@ struct Simulation<'a> {
     router: Router,
     index: PrefixIndex,
     engines: Vec<Engine>,
-    /// Every engine's bit.
-    mask: u64,
-    /// Per request: blocks found cached (device and host), start.
+    /// Tenants as the engines name them.
+    tenant_names: Vec<String>,
+    /// Per request: blocks found cached (device and host) when it was admitted.
     cached_blocks: Vec<usize>,
     /// Per request: of those, blocks loaded from the host tier.
     host_blocks: Vec<usize>,
     host_hit_tokens: u64,
+    /// Per request: when it was admitted to its engine's batch.
     started: Vec<f64>,
     /// Per request: when it was sent (its arrival time, or when its client was free).
     sent: Vec<f64>,
+    /// Per request: the prompt tokens its engine was routed for (the gateway's queued count).
+    routed_tokens: Vec<u64>,
     /// Requests sent and not yet answered.
     outstanding: usize,
-    /// Engines with a request in service.
+    /// Engines with a step in progress.
     busy: usize,
     events: BinaryHeap<std::cmp::Reverse<(Time, u64, Event)>>,
     /// Tie-breaker of events at the same time: the order they were scheduled.
@@ -515,6 +667,8 @@ struct Simulation<'a> {
     prompt_tokens: u64,
     decision_ns: u128,
     reasons: BTreeMap<String, u64>,
+    peer_fetches: u64,
+    peer_tokens: u64,
 }
 
 impl<'a> Simulation<'a> {
@@ -525,12 +679,20 @@ impl<'a> Simulation<'a> {
                 slot,
                 id: engine_id(&format!("engine-{slot}")),
                 cache: Lru::default(),
+                held: HashMap::new(),
+                private: 0,
                 host: Lru::default(),
-                queue: VecDeque::new(),
-                current: None,
+                waiting: VecDeque::new(),
+                running: Vec::new(),
                 phase: None,
-                free_at: 0.0,
+                steps: 0,
+                step_tokens: 0,
+                step_began: 0.0,
+                cost: StepCost::default(),
+                served: HashMap::new(),
                 pending: HashMap::new(),
+                inflight: 0,
+                queued_prefill: 0,
                 requests: 0,
                 computed_tokens: 0,
                 busy_s: 0.0,
@@ -551,13 +713,16 @@ impl<'a> Simulation<'a> {
                 prior_secs_per_token: 1.0 / cfg.prefill_tps,
             }),
             index: PrefixIndex::new(),
-            mask: engines.iter().fold(0u64, |m, e| m | (1 << e.slot)),
             engines,
+            tenant_names: (0..trace.tenants.len())
+                .map(|t| format!("tenant-{t}"))
+                .collect(),
             cached_blocks: vec![0; n],
             host_blocks: vec![0; n],
             host_hit_tokens: 0,
             started: vec![0.0; n],
             sent: vec![0.0; n],
+            routed_tokens: vec![0; n],
             outstanding: 0,
             busy: 0,
             events: BinaryHeap::new(),
@@ -570,17 +735,13 @@ impl<'a> Simulation<'a> {
             prompt_tokens: 0,
             decision_ns: 0,
             reasons: BTreeMap::new(),
+            peer_fetches: 0,
+            peer_tokens: 0,
         }
     }
 
     fn block_size(&self) -> usize {
         self.trace.config.block_size as usize
-    }
-
-    /// The engine's wait as it would report it: the time until it has served what it holds, at
-    /// the speed it runs at now.
-    fn wait(&self, e: &Engine) -> f64 {
-        (e.free_at - self.now).max(0.0) / self.speed()
     }
 
     /// The share of its full speed a busy engine runs at: 1, or with shared compute the units
@@ -592,8 +753,8 @@ impl<'a> Simulation<'a> {
         }
     }
 
-    /// Brings every busy engine's phase up to now at the old speed, then, after the number of
-    /// busy engines changed by `delta`, reschedules each phase's end at the new speed.
+    /// Brings every busy engine's step up to now at the old speed, then, after the number of
+    /// busy engines changed by `delta`, reschedules each step's end at the new speed.
     fn set_busy(&mut self, delta: isize) {
         let old = self.speed();
         self.busy = self.busy.saturating_add_signed(delta);
@@ -607,37 +768,14 @@ impl<'a> Simulation<'a> {
             if let Some(p) = &mut e.phase {
                 p.left = (p.left - (now - p.since) * old).max(0.0);
                 p.since = now;
-                p.generation += 1;
+                p.generation = e.steps;
+                e.steps += 1;
                 reschedule.push((e.slot, *p));
             }
         }
         for (slot, p) in reschedule {
-            self.schedule_phase(slot, p, new);
+            self.schedule(self.now + p.left / new, Event::Step(slot, p.generation));
         }
-    }
-
-    /// Schedules the end of engine `slot`'s phase `p` at `speed`.
-    fn schedule_phase(&mut self, slot: usize, p: Phase, speed: f64) {
-        let at = self.now + p.left / speed;
-        let event = if p.decoding {
-            Event::Done(slot, p.generation)
-        } else {
-            Event::PrefillDone(slot, p.generation)
-        };
-        self.schedule(at, event);
-    }
-
-    /// Starts a phase of `work` seconds (at full speed) on engine `slot`.
-    fn begin_phase(&mut self, slot: usize, decoding: bool, work: f64) {
-        let generation = self.engines[slot].phase.map_or(0, |p| p.generation + 1);
-        let p = Phase {
-            decoding,
-            left: work,
-            since: self.now,
-            generation,
-        };
-        self.engines[slot].phase = Some(p);
-        self.schedule_phase(slot, p, self.speed());
     }
 
     fn schedule(&mut self, at: f64, event: Event) {
@@ -646,7 +784,57 @@ impl<'a> Simulation<'a> {
             .push(std::cmp::Reverse((Time(at), self.seq, event)));
     }
 
-    /// Routes the next request and queues it on the chosen engine.
+    /// What engine `slot` would report now ([`LoadReport`], as the engine's worker builds it):
+    /// its queue, its batch, its pool, and the fit of the times its steps took.
+    fn report(&self, e: &Engine) -> LoadReport {
+        let cfg = &self.trace.config;
+        let requests = &self.trace.requests;
+        let (fixed, per_token) = e.cost.fit();
+        let running_prefill: u64 = e
+            .running
+            .iter()
+            .map(|s| (requests[s.req].prompt_tokens as usize - s.prefilled) as u64)
+            .sum();
+        let mut waiting_by_tenant = BTreeMap::new();
+        for &i in &e.waiting {
+            let r = &requests[i];
+            let cached = e.device_prefix(&r.hashes) * self.block_size();
+            *waiting_by_tenant
+                .entry(self.tenant_names[r.tenant as usize].clone())
+                .or_insert(0u64) += (r.prompt_tokens as usize).saturating_sub(cached) as u64;
+        }
+        let next_end = e
+            .running
+            .iter()
+            .map(|s| requests[s.req].output_tokens - s.generated)
+            .min();
+        let step = fixed + e.running.len() as f64 * per_token;
+        let free = e.free(self.trace.capacity_blocks) as u64;
+        LoadReport {
+            pending_prefill_tokens: running_prefill + waiting_by_tenant.values().sum::<u64>(),
+            running_prefill_tokens: running_prefill,
+            waiting_by_tenant,
+            running: e.running.len() as u32,
+            max_seqs: cfg.max_seqs as u32,
+            max_batched_tokens: cfg.max_batched_tokens as u32,
+            decode_step_prefill_tokens: cfg.decode_step_prefill_tokens as u32,
+            available_blocks: free + e.cache.len() as u64,
+            free_blocks: free,
+            secs_per_token: per_token,
+            step_secs: fixed,
+            next_finish_secs: next_end.map_or(0.0, |n| f64::from(n) * step),
+            age_secs: 0.0,
+            host_load_secs_per_block: cfg.host_load_secs_per_block,
+            disk_load_secs_per_block: 0.0,
+            compute: match cfg.cores {
+                Some(_) => "shared".to_owned(),
+                None => format!("engine-{}", e.slot),
+            },
+        }
+    }
+
+    /// Routes the next request and sends it to the chosen engine, by way of a peer's transfer
+    /// when the gateway would tell it to fetch its prefix.
     fn arrive(&mut self) {
         let trace = self.trace;
         let i = self.next;
@@ -659,23 +847,40 @@ impl<'a> Simulation<'a> {
         self.outstanding += 1;
         let t0 = Instant::now();
         let (slot, matched) = self.choose(r);
+        // As the gateway does: the engine that holds the most of the prefix, when that is
+        // enough more than the chosen one's.
+        let peer = match self.policy {
+            SimPolicy::Router(_) => {
+                let all = self.engines.iter().fold(0u64, |m, e| m | (1 << e.slot));
+                best_peer(&self.index, &r.hashes, all, slot, 0)
+                    .filter(|&(_, n)| n >= matched as u32 + PEER_MIN_GAIN_BLOCKS)
+            }
+            SimPolicy::Oracle => None,
+        };
         self.decision_ns += t0.elapsed().as_nanos();
-        let prefill = (r.prompt_tokens as usize).saturating_sub(matched * self.block_size()) as u64;
+        let routed = (r.prompt_tokens as usize).saturating_sub(matched * self.block_size()) as u64;
+        self.routed_tokens[i] = routed;
         let oracle = self.policy == SimPolicy::Oracle;
-        let cfg = &trace.config;
         let e = &mut self.engines[slot];
-        e.free_at = e.free_at.max(self.now)
-            + prefill as f64 / cfg.prefill_tps
-            + f64::from(r.output_tokens) / cfg.decode_tps;
+        e.inflight += 1;
+        e.requests += 1;
+        e.queued_prefill += routed;
         if oracle {
             for h in &r.hashes {
                 *e.pending.entry(h.0).or_default() += 1;
             }
         }
-        e.queue.push_back(i);
-        e.requests += 1;
-        if e.current.is_none() {
-            self.start(slot);
+        match peer {
+            Some((from, n)) => {
+                let blocks = n.saturating_sub(matched as u32).min(MAX_PEER_FETCH_BLOCKS);
+                let at = self.now + f64::from(blocks) * trace.config.peer_load_secs_per_block;
+                self.peer_fetches += 1;
+                self.schedule(at, Event::Fetched(slot, i, from));
+            }
+            None => {
+                self.engines[slot].waiting.push_back(i);
+                self.next_step(slot);
+            }
         }
     }
 
@@ -683,47 +888,39 @@ impl<'a> Simulation<'a> {
     fn choose(&mut self, r: &Request) -> (usize, usize) {
         let (slot, matched, reason) = match self.policy {
             SimPolicy::Router(_) => {
-                let m = self.index.longest_tier_matches(&r.hashes, self.mask);
-                let load = self.trace.config.host_load_secs_per_block;
-                let speed = self.speed();
-                let fleet_inflight: u64 = self
+                let reports: Vec<LoadReport> =
+                    self.engines.iter().map(|e| self.report(e)).collect();
+                let views: Vec<EngineView<'_>> = self
                     .engines
                     .iter()
-                    .map(|e| (e.queue.len() + usize::from(e.current.is_some())) as u64)
-                    .sum();
-                let shared = self.trace.config.cores.is_some();
-                let candidates: Vec<Candidate> = self
-                    .engines
-                    .iter()
-                    .map(|e| Candidate {
+                    .zip(&reports)
+                    .map(|(e, report)| EngineView {
                         slot: e.slot,
                         id: e.id,
-                        matched_blocks: m[e.slot].blocks,
-                        // The simulated engines do not fetch from peers.
-                        peer_blocks: 0,
-                        inflight: (e.queue.len() + usize::from(e.current.is_some())) as u64,
-                        // With shared compute, every engine's requests share it.
-                        compute_inflight: if shared {
-                            fleet_inflight
-                        } else {
-                            (e.queue.len() + usize::from(e.current.is_some())) as u64
-                        },
-                        // As the gateway does: a host-tier match costs its load.
-                        wait_secs: self.wait(e) + f64::from(m[e.slot].host) * load,
-                        // What the engine measures: its speed as it runs now.
-                        secs_per_token: 1.0 / self.trace.config.prefill_tps / speed,
-                        // One request at a time: any other in flight queues.
-                        max_seqs: 1,
-                        free_blocks: 0,
+                        routable: true,
+                        peer: true,
+                        draining: false,
+                        report,
+                        age_secs: Some(0.0),
+                        inflight: e.inflight,
+                        queued_prefill: e.queued_prefill,
                     })
                     .collect();
+                let req = RouteRequest {
+                    hashes: &r.hashes,
+                    prompt_tokens: r.prompt_tokens as usize,
+                    tenant: &self.tenant_names[r.tenant as usize],
+                    block_size: self.trace.config.block_size,
+                    prior_secs_per_token: 1.0 / self.trace.config.prefill_tps,
+                };
+                let candidates = candidates(&views, &self.index, &req, 0);
                 let affinity = self.trace.tenants[r.tenant as usize].affinity;
-                // No answer tokens: a simulated engine serves one request at a time, and its
-                // wait already holds the decodes queued there.
-                let Some(choice) =
-                    self.router
-                        .choose(affinity, r.prompt_tokens as usize, 0, &candidates)
-                else {
+                let Some(choice) = self.router.choose(
+                    affinity,
+                    r.prompt_tokens as usize,
+                    r.output_tokens,
+                    &candidates,
+                ) else {
                     unreachable!("engines are never empty")
                 };
                 let matched = choice.matched_blocks as usize;
@@ -734,9 +931,7 @@ impl<'a> Simulation<'a> {
                     r.hashes
                         .iter()
                         .take_while(|h| {
-                            e.cache.contains(**h)
-                                || e.host.contains(**h)
-                                || e.pending.contains_key(&h.0)
+                            e.holds(**h) || e.host.contains(**h) || e.pending.contains_key(&h.0)
                         })
                         .count()
                 };
@@ -746,7 +941,7 @@ impl<'a> Simulation<'a> {
                     .map(|e| (known(e), e))
                     .max_by(|(ma, a), (mb, b)| {
                         ma.cmp(mb)
-                            .then(self.wait(b).total_cmp(&self.wait(a)))
+                            .then(b.inflight.cmp(&a.inflight))
                             .then(b.slot.cmp(&a.slot))
                     })
                     .map(|(m, e)| (e.slot, m))
@@ -763,32 +958,168 @@ impl<'a> Simulation<'a> {
         (slot, matched)
     }
 
-    /// Starts the next queued request on engine `slot`, if any.
-    fn start(&mut self, slot: usize) {
-        let trace = self.trace;
-        let (b, cfg) = (self.block_size(), &trace.config);
+    /// Request `i`'s prefix has come to engine `slot` from `peer`: the blocks the peer holds
+    /// now beyond the engine's own are stored there (cached, as a transfer's are), and the
+    /// request joins the engine's queue.
+    fn fetched(&mut self, slot: usize, i: usize, peer: usize) {
+        let (capacity, host_capacity) = (self.trace.capacity_blocks, self.trace.config.host_blocks);
+        let b = self.block_size();
+        let r = &self.trace.requests[i];
+        let sent = self.engines[peer].fast_prefix(&r.hashes);
         let e = &mut self.engines[slot];
-        let Some(i) = e.queue.pop_front() else {
+        let own = e.device_prefix(&r.hashes);
+        let sent = sent.min(own + MAX_PEER_FETCH_BLOCKS as usize);
+        let mut stored = 0;
+        for &h in r.hashes.get(own..sent).unwrap_or(&[]) {
+            if e.holds(h) {
+                continue;
+            }
+            if !e.make_room(capacity, host_capacity, &mut self.index) {
+                break;
+            }
+            e.host.remove(h.0);
+            e.cache.touch(h.0);
+            self.index.insert(slot, h);
+            stored += 1;
+        }
+        // Oldest first when evicted: the head of the prefix goes last.
+        for h in r.hashes[..sent.max(own)].iter().rev() {
+            if e.cache.contains(*h) {
+                e.cache.touch(h.0);
+            }
+        }
+        self.peer_tokens += (stored * b) as u64;
+        e.waiting.push_back(i);
+        self.check(slot);
+        self.next_step(slot);
+    }
+
+    /// If engine `slot` is idle, plans a step and starts it.
+    fn next_step(&mut self, slot: usize) {
+        if self.engines[slot].phase.is_some() {
             return;
-        };
-        let r = &trace.requests[i];
-        let device = e.cache.prefix(&r.hashes);
-        let host = r.hashes[device..]
+        }
+        let (tokens, work) = self.plan(slot);
+        if tokens > 0 {
+            self.set_busy(1);
+            self.begin_step(slot, tokens, work);
+        }
+    }
+
+    fn begin_step(&mut self, slot: usize, tokens: usize, work: f64) {
+        let e = &mut self.engines[slot];
+        e.step_tokens = tokens;
+        e.step_began = self.now;
+        let generation = e.steps;
+        e.steps += 1;
+        e.busy_s += work;
+        e.phase = Some(Phase {
+            left: work,
+            since: self.now,
+            generation,
+        });
+        let at = self.now + work / self.speed();
+        self.schedule(at, Event::Step(slot, generation));
+    }
+
+    /// Plans engine `slot`'s next step as its scheduler does: a token for every sequence that
+    /// decodes; then, within the token budget (in a step that decodes, at most
+    /// `decode_step_prefill_tokens`), chunks of the prefills in progress, then new sequences
+    /// admitted while the batch has a seat and the pool has their blocks (their prompt and
+    /// their answer's; cached blocks are evicted least recently used first), chosen across
+    /// tenants by fair queuing. Returns the step's tokens (0: nothing to do) and its seconds at
+    /// full speed.
+    fn plan(&mut self, slot: usize) -> (usize, f64) {
+        let trace = self.trace;
+        let cfg = &trace.config;
+        let b = self.block_size();
+        let (capacity, host_capacity) = (trace.capacity_blocks, cfg.host_blocks);
+        let e = &mut self.engines[slot];
+        let prompt = |s: &Seq| trace.requests[s.req].prompt_tokens as usize;
+        let decodes = e
+            .running
             .iter()
-            .take_while(|h| e.host.contains(**h))
+            .filter(|s| s.prefilled == prompt(s))
             .count();
-        let cached = device + host;
-        self.cached_blocks[i] = cached;
-        self.host_blocks[i] = host;
-        self.started[i] = self.now;
-        let computed = r.prompt_tokens as usize - cached * b;
-        let prefill =
-            computed as f64 / cfg.prefill_tps + host as f64 * cfg.host_load_secs_per_block;
-        e.current = Some(i);
-        e.computed_tokens += (computed + r.output_tokens as usize) as u64;
-        e.busy_s += prefill + f64::from(r.output_tokens) / cfg.decode_tps;
-        self.set_busy(1);
-        self.begin_phase(slot, false, prefill);
+        let mut budget = cfg.max_batched_tokens.saturating_sub(decodes);
+        if decodes > 0 && cfg.decode_step_prefill_tokens > 0 {
+            budget = budget.min(cfg.decode_step_prefill_tokens);
+        }
+        let mut prefill = 0;
+        for s in e.running.iter_mut().filter(|s| s.prefilled < prompt(s)) {
+            s.chunk = (prompt(s) - s.prefilled).min(budget);
+            budget -= s.chunk;
+            prefill += s.chunk;
+        }
+        let mut host_loads = 0;
+        while budget > 0 && e.running.len() < cfg.max_seqs && !e.waiting.is_empty() {
+            // Fair queuing: the tenant served least so far, first come within a tenant.
+            let Some(k) = (0..e.waiting.len()).min_by_key(|&k| {
+                let t = trace.requests[e.waiting[k]].tenant;
+                (e.served.get(&t).copied().unwrap_or(0), k)
+            }) else {
+                break;
+            };
+            let i = e.waiting[k];
+            let r = &trace.requests[i];
+            let device = e.device_prefix(&r.hashes);
+            let host = r.hashes[device..]
+                .iter()
+                .take_while(|h| e.host.contains(**h))
+                .count();
+            let total = (r.prompt_tokens + r.output_tokens).div_ceil(b as u32) as usize;
+            let pinned = r.hashes[..device]
+                .iter()
+                .filter(|h| e.cache.contains(**h))
+                .count();
+            if total - device > e.free(capacity) + e.cache.len() - pinned {
+                break;
+            }
+            e.waiting.remove(k);
+            for h in &r.hashes[..device] {
+                e.hold(*h, &mut self.index);
+            }
+            for h in &r.hashes[device..] {
+                if !e.holds(*h) && !e.make_room(capacity, host_capacity, &mut self.index) {
+                    unreachable!("admission counted the blocks");
+                }
+                e.hold(*h, &mut self.index);
+            }
+            let private = total - r.hashes.len();
+            for _ in 0..private {
+                if !e.make_room(capacity, host_capacity, &mut self.index) {
+                    unreachable!("admission counted the blocks");
+                }
+                e.private += 1;
+            }
+            let cached = device + host;
+            // The last prompt token is always computed: it gives the first answer token.
+            let prefilled = (cached * b).min(r.prompt_tokens as usize - 1);
+            let chunk = (r.prompt_tokens as usize - prefilled).min(budget);
+            budget -= chunk;
+            prefill += chunk;
+            host_loads += host;
+            *e.served.entry(r.tenant).or_default() += (r.prompt_tokens as usize - prefilled) as u64;
+            e.computed_tokens +=
+                (r.prompt_tokens as usize - prefilled + r.output_tokens as usize) as u64;
+            e.running.push(Seq {
+                req: i,
+                prefilled,
+                chunk,
+                generated: 0,
+                private,
+            });
+            self.cached_blocks[i] = cached;
+            self.host_blocks[i] = host;
+            self.started[i] = self.now;
+        }
+        self.check(slot);
+        let tokens = decodes + prefill;
+        if tokens == 0 {
+            return (0, 0.0);
+        }
+        let work = cfg.step_secs(tokens) + host_loads as f64 * cfg.host_load_secs_per_block;
+        (tokens, work)
     }
 
     fn next_event(&mut self) {
@@ -796,113 +1127,135 @@ impl<'a> Simulation<'a> {
             return;
         };
         self.now = t;
-        let current = |slot: usize, generation| {
-            self.engines[slot]
-                .phase
-                .is_some_and(|p| p.generation == generation)
-        };
         match event {
-            Event::PrefillDone(slot, g) if current(slot, g) => self.prefill_done(slot),
-            Event::Done(slot, g) if current(slot, g) => {
-                let e = &mut self.engines[slot];
-                e.current = None;
-                e.phase = None;
-                self.outstanding -= 1;
-                self.set_busy(-1);
-                self.start(slot);
+            Event::Step(slot, g) if self.engines[slot].phase.is_some_and(|p| p.generation == g) => {
+                self.step_done(slot)
             }
+            Event::Fetched(slot, i, peer) => self.fetched(slot, i, peer),
             // Rescheduled after a change of speed.
-            _ => {}
+            Event::Step(..) => {}
         }
     }
 
-    /// The request in service on `slot` has its first token: its prompt blocks are stored (the
-    /// KV events reach the index) and it decodes until `Done`.
-    fn prefill_done(&mut self, slot: usize) {
+    /// Engine `slot`'s step has ended: chunks are computed, sequences whose prefill it ended
+    /// have their first token, decoding ones their next, and finished ones release their
+    /// blocks (the prompt's stay cached, tail first so that a prefix loses its last blocks
+    /// before its first). Then the next step.
+    fn step_done(&mut self, slot: usize) {
         let trace = self.trace;
-        let (b, capacity) = (self.block_size(), trace.capacity_blocks);
-        let Some(i) = self.engines[slot].current else {
-            return;
-        };
-        let r = &trace.requests[i];
-        let cached = self.cached_blocks[i];
-        self.ttft.push(self.now - self.sent[i]);
-        self.queue_s += self.started[i] - self.sent[i];
-        self.hit_tokens += (cached * b) as u64;
-        self.host_hit_tokens += (self.host_blocks[i] * b) as u64;
-        self.prompt_tokens += u64::from(r.prompt_tokens);
-        let host_capacity = trace.config.host_blocks;
+        let b = self.block_size();
+        let mut first = Vec::new();
+        let mut finished = Vec::new();
         let e = &mut self.engines[slot];
-        // The request's blocks in the host tier come back to the device cache (a block is in
-        // one of the two, never both).
-        for h in &r.hashes {
-            e.host.remove(h.0);
-        }
-        // Keep the device-held blocks from being evicted for the new ones, store them, then
-        // release every block of the request tail first (the head is evicted last).
-        for h in &r.hashes {
-            if e.cache.contains(*h) {
-                e.cache.touch(h.0);
+        // What the engine measures: the step's time as it ran, slowed by shared compute.
+        e.cost.observe(e.step_tokens, self.now - e.step_began);
+        for s in &mut e.running {
+            let r = &trace.requests[s.req];
+            let prompt = r.prompt_tokens as usize;
+            if s.chunk > 0 {
+                s.prefilled += s.chunk;
+                s.chunk = 0;
+                if s.prefilled == prompt {
+                    s.generated = 1;
+                    first.push(s.req);
+                }
+            } else if s.prefilled == prompt {
+                s.generated += 1;
             }
         }
-        for h in &r.hashes {
-            if e.cache.contains(*h) {
-                continue;
+        e.running.retain(|s| {
+            let done = s.generated >= trace.requests[s.req].output_tokens;
+            if done {
+                finished.push((s.req, s.private));
             }
-            if e.cache.len() >= capacity {
-                if let Some(old) = e.cache.evict_oldest() {
-                    if host_capacity == 0 {
-                        self.index.remove(slot, BlockHash(old));
-                    } else {
-                        // Demoted, not lost; the host tier drops its own oldest to make room.
-                        if e.host.len() >= host_capacity {
-                            if let Some(gone) = e.host.evict_oldest() {
-                                self.index.remove(slot, BlockHash(gone));
-                            }
+            !done
+        });
+        for &(i, private) in &finished {
+            let r = &trace.requests[i];
+            e.private -= private;
+            for h in r.hashes.iter().rev() {
+                match e.held.get_mut(&h.0) {
+                    Some(n) if *n > 1 => *n -= 1,
+                    _ => {
+                        e.held.remove(&h.0);
+                        e.cache.touch(h.0);
+                    }
+                }
+            }
+            e.inflight -= 1;
+        }
+        for &i in &first {
+            let r = &trace.requests[i];
+            let e = &mut self.engines[slot];
+            e.queued_prefill -= self.routed_tokens[i];
+            if self.policy == SimPolicy::Oracle {
+                for h in &r.hashes {
+                    if let Some(c) = e.pending.get_mut(&h.0) {
+                        *c -= 1;
+                        if *c == 0 {
+                            e.pending.remove(&h.0);
                         }
-                        e.host.touch(old);
-                        self.index.insert_at(slot, BlockHash(old), Tier::Host);
                     }
                 }
             }
-            e.cache.touch(h.0);
-            self.index.insert(slot, *h);
+            self.ttft.push(self.now - self.sent[i]);
+            self.queue_s += self.started[i] - self.sent[i];
+            self.hit_tokens += (self.cached_blocks[i] * b) as u64;
+            self.host_hit_tokens += (self.host_blocks[i] * b) as u64;
+            self.prompt_tokens += u64::from(r.prompt_tokens);
         }
-        for h in r.hashes.iter().rev() {
-            e.cache.touch(h.0);
+        self.outstanding -= finished.len();
+        self.check(slot);
+        let (tokens, work) = self.plan(slot);
+        if tokens > 0 {
+            self.begin_step(slot, tokens, work);
+        } else {
+            self.engines[slot].phase = None;
+            self.set_busy(-1);
         }
-        if self.policy == SimPolicy::Oracle {
-            for h in &r.hashes {
-                if let Some(c) = e.pending.get_mut(&h.0) {
-                    *c -= 1;
-                    if *c == 0 {
-                        e.pending.remove(&h.0);
-                    }
-                }
-            }
+    }
+
+    /// With `verify`: the index holds exactly engine `slot`'s blocks, and its pool its
+    /// capacity at most.
+    fn check(&self, slot: usize) {
+        if !self.verify {
+            return;
         }
-        if self.verify {
-            assert_eq!(
-                self.index.len(slot),
-                e.cache.len() + e.host.len(),
-                "index size, engine {slot}"
-            );
-            for h in e.cache.stamp.keys() {
-                assert_eq!(
-                    self.index.longest_matches(&[BlockHash(*h)], 1 << slot)[slot],
-                    1,
-                    "index lacks a cached block of engine {slot}"
-                );
-            }
-        }
-        self.begin_phase(
-            slot,
-            true,
-            f64::from(r.output_tokens) / trace.config.decode_tps,
+        let e = &self.engines[slot];
+        assert_eq!(
+            self.index.len(slot),
+            e.cache.len() + e.held.len() + e.host.len(),
+            "index size, engine {slot}"
         );
+        assert!(
+            e.cache.len() + e.held.len() + e.private <= self.trace.capacity_blocks,
+            "engine {slot} holds more blocks than its pool"
+        );
+        for h in e.cache.stamp.keys().chain(e.held.keys()) {
+            assert_eq!(
+                self.index.longest_matches(&[BlockHash(*h)], 1 << slot)[slot],
+                1,
+                "index lacks a block of engine {slot}"
+            );
+        }
     }
 
     fn result(mut self) -> PolicyResult {
+        if self.verify {
+            for e in &self.engines {
+                assert!(
+                    e.running.is_empty() && e.waiting.is_empty() && e.phase.is_none(),
+                    "engine {} has work left",
+                    e.slot
+                );
+                assert_eq!(
+                    (e.held.len(), e.private, e.inflight, e.queued_prefill),
+                    (0, 0, 0, 0),
+                    "engine {} still holds blocks or counts requests",
+                    e.slot
+                );
+            }
+        }
         let cfg = &self.trace.config;
         let n = self.trace.requests.len();
         let makespan = self.now.max(f64::MIN_POSITIVE);
@@ -930,6 +1283,8 @@ impl<'a> Simulation<'a> {
             per_engine_requests,
             per_engine_tokens,
             reasons: self.reasons,
+            peer_fetches: self.peer_fetches,
+            peer_tokens: self.peer_tokens,
         }
     }
 }
@@ -1207,6 +1562,7 @@ mod tests {
             requests: 600,
             system_tokens: (64, 300),
             user_tokens: (10, 40),
+            output_tokens: (10, 60),
             capacity_blocks,
             ..SimConfig::default()
         }
@@ -1308,6 +1664,88 @@ mod tests {
             "{} against {}",
             shared.requests_per_s,
             own.requests_per_s
+        );
+    }
+
+    #[test]
+    fn a_step_takes_the_time_its_curve_gives() {
+        let mut cfg = SimConfig {
+            prefill_tps: 1000.0,
+            decode_tps: 50.0,
+            ..SimConfig::default()
+        };
+        // The line: 19 ms fixed, 1 ms a token.
+        assert!((cfg.step_secs(1) - 0.020).abs() < 1e-12);
+        assert!((cfg.step_secs(101) - 0.120).abs() < 1e-12);
+        // A measured curve, with a drop where the engine changes algorithm.
+        cfg.step_curve = vec![(1, 0.03), (8, 0.1), (64, 0.8), (65, 0.5), (120, 0.8)];
+        assert!((cfg.step_secs(1) - 0.03).abs() < 1e-12);
+        assert!((cfg.step_secs(36) - 0.45).abs() < 1e-12);
+        assert!((cfg.step_secs(65) - 0.5).abs() < 1e-12);
+        // Past the last point, the last segment's slope.
+        assert!((cfg.step_secs(175) - 1.1).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_batch_serves_requests_side_by_side_and_releases_everything() {
+        let mut cfg = small(Some(400));
+        cfg.clients = Some(8);
+        cfg.prefill_tps = 300.0;
+        cfg.decode_tps = 25.0;
+        let policy = SimPolicy::Router(Policy::RoundRobin);
+        let one = run(&Trace::generate(&cfg), policy, true);
+        cfg.max_seqs = 8;
+        let batch = run(&Trace::generate(&cfg), policy, true);
+        for r in [&one, &batch] {
+            assert_eq!(r.per_engine_requests.iter().sum::<u64>(), 600);
+        }
+        // Two clients an engine: a step decodes both sequences for little more than one's time
+        // (prefills, a token's time each, gain nothing).
+        assert!(
+            batch.requests_per_s > 1.5 * one.requests_per_s,
+            "{} against {}",
+            batch.requests_per_s,
+            one.requests_per_s
+        );
+    }
+
+    #[test]
+    fn a_tight_pool_makes_requests_wait_for_blocks_and_keeps_the_index_true() {
+        // Room for two of the longest requests: admissions wait for blocks, and cached prefixes
+        // are evicted all the time.
+        let mut cfg = small(Some(50));
+        cfg.clients = Some(16);
+        cfg.max_seqs = 8;
+        let trace = Trace::generate(&cfg);
+        for p in SimPolicy::ALL {
+            let r = run(&trace, p, true);
+            assert_eq!(
+                r.per_engine_requests.iter().sum::<u64>(),
+                600,
+                "{}",
+                r.policy
+            );
+        }
+    }
+
+    #[test]
+    fn the_gateway_names_peers_and_their_prefixes_arrive_cached() {
+        // Round robin sends every tenant everywhere: past a tenant's first requests, an engine
+        // without its prefix is told where to fetch it.
+        let mut cfg = small(Some(1 << 20));
+        cfg.clients = Some(4);
+        cfg.max_seqs = 8;
+        let trace = Trace::generate(&cfg);
+        let rr = run(&trace, SimPolicy::Router(Policy::RoundRobin), true);
+        assert!(rr.peer_fetches > 50, "{}", rr.peer_fetches);
+        assert!(rr.peer_tokens >= rr.peer_fetches * 16 * u64::from(PEER_MIN_GAIN_BLOCKS));
+        // What came over is counted as cached: round robin hits nearly what the oracle does.
+        let oracle = run(&trace, SimPolicy::Oracle, true);
+        assert!(
+            rr.hit_rate > 0.9 * oracle.hit_rate,
+            "{} against {}",
+            rr.hit_rate,
+            oracle.hit_rate
         );
     }
 

@@ -38,9 +38,21 @@ pub struct SimArgs {
     /// Prefill tokens/s of one simulated engine.
     #[arg(long, default_value_t = 16_000.0)]
     prefill_tps: f64,
-    /// Decode tokens/s of one simulated engine (its whole batch).
+    /// Decode tokens/s of one sequence alone in a simulated engine's batch (with
+    /// --sim-max-seqs 1, the engine's whole decode throughput amortized per request).
     #[arg(long, default_value_t = 2_000.0)]
     decode_tps: f64,
+    /// Sequences in a simulated engine's running batch at most (1: a request at a time).
+    #[arg(long, default_value_t = 1)]
+    sim_max_seqs: usize,
+    /// A simulated engine's step time by its tokens, as measured on a real engine:
+    /// `TOKENS:MS,TOKENS:MS,...` in increasing tokens, joined by straight lines (default: a
+    /// fixed time from --decode-tps plus 1 / --prefill-tps a token).
+    #[arg(long, value_parser = step_curve)]
+    sim_step_ms: Option<StepCurve>,
+    /// Milliseconds to fetch one block from a peer engine.
+    #[arg(long, default_value_t = kvgate_protocol::load::PRIOR_PEER_LOAD_SECS_PER_BLOCK * 1e3)]
+    peer_load_ms_per_block: f64,
     /// Routing load factor (default: the gateway's).
     #[arg(long)]
     load_factor: Option<f64>,
@@ -80,6 +92,35 @@ pub struct SimArgs {
     /// Tokenizer for the decision-time loop (tokenizer.json, tokenizer_config.json).
     #[arg(long, default_value = "target/kvgate-test-assets/smollm2-f32")]
     tokenizer_dir: PathBuf,
+}
+
+/// `--sim-step-ms`: (tokens, seconds) points.
+#[derive(Debug, Clone)]
+pub struct StepCurve(Vec<(usize, f64)>);
+
+fn step_curve(s: &str) -> Result<StepCurve, String> {
+    let mut points: Vec<(usize, f64)> = Vec::new();
+    for part in s.split(',') {
+        let (t, ms) = part
+            .split_once(':')
+            .ok_or_else(|| format!("{part:?} is not TOKENS:MS"))?;
+        let t: usize = t
+            .trim()
+            .parse()
+            .map_err(|_| format!("{t:?} is not a number of tokens"))?;
+        let ms: f64 = ms
+            .trim()
+            .parse()
+            .map_err(|_| format!("{ms:?} is not milliseconds"))?;
+        if !(ms.is_finite() && ms >= 0.0) {
+            return Err(format!("{ms} ms is not a time"));
+        }
+        if points.last().is_some_and(|p| p.0 >= t) {
+            return Err("the points' tokens must increase".to_owned());
+        }
+        points.push((t, ms / 1e3));
+    }
+    Ok(StepCurve(points))
 }
 
 /// `N` or `MIN-MAX`, as an inclusive range.
@@ -129,6 +170,9 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
         rate: args.sim_rate,
         prefill_tps: args.prefill_tps,
         decode_tps: args.decode_tps,
+        max_seqs: args.sim_max_seqs,
+        peer_load_secs_per_block: args.peer_load_ms_per_block / 1e3,
+        step_curve: args.sim_step_ms.clone().map_or_else(Vec::new, |c| c.0),
         host_blocks: 0,
         host_load_secs_per_block: args.host_load_ms_per_block / 1e3,
         clients: args.sim_clients,
@@ -150,8 +194,11 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
     if config.load_factor < 1.0 {
         bail!("--load-factor must be >= 1");
     }
-    if config.clients == Some(0) || config.cores == Some(0) {
-        bail!("--sim-clients and --sim-cores must be positive");
+    if config.clients == Some(0) || config.cores == Some(0) || config.max_seqs == 0 {
+        bail!("--sim-clients, --sim-cores and --sim-max-seqs must be positive");
+    }
+    if !(args.peer_load_ms_per_block >= 0.0 && args.peer_load_ms_per_block.is_finite()) {
+        bail!("--peer-load-ms-per-block must be a non-negative number");
     }
     if config.system_tokens.1 == 0 {
         bail!("--sim-system-tokens must be positive");
@@ -260,8 +307,15 @@ fn table(trace: &Trace, results: &[PolicyResult], timing: Option<&DecisionTiming
     );
     let _ = writeln!(
         s,
-        "  engine: prefill {} tok/s, decode {} tok/s; routing load_factor {}",
-        c.prefill_tps, c.decode_tps, c.load_factor
+        "  engine: prefill {} tok/s, decode {} tok/s, batch of {} (step budget {}, {} beside \
+         decodes); peer fetch {} ms/block; routing load_factor {}",
+        c.prefill_tps,
+        c.decode_tps,
+        c.max_seqs,
+        c.max_batched_tokens,
+        c.decode_step_prefill_tokens,
+        c.peer_load_secs_per_block * 1e3,
+        c.load_factor
     );
     let _ = writeln!(
         s,
@@ -270,7 +324,7 @@ fn table(trace: &Trace, results: &[PolicyResult], timing: Option<&DecisionTiming
     );
     let _ = writeln!(
         s,
-        "{:<16} {:>7} {:>8} {:>7} {:>9} {:>9} {:>8} {:>6} {:>8} {:>9} {:>9} {:>9} {:>8}",
+        "{:<16} {:>7} {:>8} {:>7} {:>9} {:>9} {:>8} {:>6} {:>8} {:>9} {:>9} {:>9} {:>8} {:>7}",
         "policy",
         "hit",
         "/oracle",
@@ -283,17 +337,31 @@ fn table(trace: &Trace, results: &[PolicyResult], timing: Option<&DecisionTiming
         "TTFT mean",
         "TTFT p99",
         "queue",
-        "decide"
+        "decide",
+        "peer"
     );
     let _ = writeln!(
         s,
-        "{:<16} {:>7} {:>8} {:>7} {:>9} {:>9} {:>8} {:>6} {:>8} {:>9} {:>9} {:>9} {:>8}",
-        "", "rate", "", "", "mean", "mean", "max/mean", "busy", "ms", "ms", "ms", "ms", "us"
+        "{:<16} {:>7} {:>8} {:>7} {:>9} {:>9} {:>8} {:>6} {:>8} {:>9} {:>9} {:>9} {:>8} {:>7}",
+        "",
+        "rate",
+        "",
+        "",
+        "mean",
+        "mean",
+        "max/mean",
+        "busy",
+        "ms",
+        "ms",
+        "ms",
+        "ms",
+        "us",
+        "fetches"
     );
     for r in results {
         let _ = writeln!(
             s,
-            "{:<16} {:>6.1}% {:>8} {:>7.2} {:>9.2} {:>9.2} {:>8.2} {:>5.0}% {:>8.1} {:>9.1} {:>9.1} {:>9.1} {:>8.2}",
+            "{:<16} {:>6.1}% {:>8} {:>7.2} {:>9.2} {:>9.2} {:>8.2} {:>5.0}% {:>8.1} {:>9.1} {:>9.1} {:>9.1} {:>8.2} {:>7}",
             r.policy,
             r.hit_rate * 100.0,
             r.vs_oracle
@@ -307,7 +375,8 @@ fn table(trace: &Trace, results: &[PolicyResult], timing: Option<&DecisionTiming
             r.mean_ttft_ms,
             r.p99_ttft_ms,
             r.mean_queue_ms,
-            r.decision_us
+            r.decision_us,
+            r.peer_fetches
         );
     }
     let find = |name: &str| results.iter().find(|r| r.policy == name);

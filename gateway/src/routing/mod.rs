@@ -164,7 +164,7 @@ pub const PEER_MIN_GAIN_BLOCKS: u32 = 4;
 
 /// Most blocks a peer fetch is counted for (an engine with the staging host tier fetches at
 /// most half of its 256 blocks; the rest it computes).
-const MAX_PEER_FETCH_BLOCKS: u32 = 128;
+pub const MAX_PEER_FETCH_BLOCKS: u32 = 128;
 
 /// Requests an engine may have in flight beyond `load_factor` x the mean: with a handful in
 /// flight, a share of the mean alone is too small a number to bound anything but cache reuse.

@@ -177,39 +177,18 @@ impl Engine {
             .store(n.saturating_sub(mine), Ordering::Relaxed);
     }
 
-    /// The routing candidate this engine is for `req`, of which it caches `matched_blocks`
-    /// blocks: its wait in seconds from its last report (less the report's age), at least the
-    /// prefill this gateway routed to it that has not started; and its requests in flight
-    /// (this gateway's now, and other gateways' at the last report). An engine that has not
-    /// measured its speed is taken at `prior` seconds per token.
-    ///
-    /// Matched blocks in the engine's host tier or on its disk save their prefill but must be
-    /// loaded first: their load time, at the engine's measured rates, adds to its wait.
-    fn candidate(&self, report: &Report, matched: TierMatch, req: &RouteRequest<'_>) -> Candidate {
-        let (report, age) = (&report.0, report.1);
-        let matched_blocks = matched.blocks;
-        let block = req.block_size.max(1) as usize;
-        let uncached = req
-            .prompt_tokens
-            .saturating_sub(matched_blocks as usize * block);
-        let ask = Ask {
-            tenant: Some(req.tenant),
-            own_tokens: uncached as u64,
-            blocks_needed: uncached.div_ceil(block) as u64,
-            queued_tokens: self.queued_prefill.load(Ordering::Relaxed),
-        };
-        Candidate {
+    /// What routing reads of it now, with its last report (`report`, from [`Engine::report`]).
+    pub fn view<'a>(&self, report: &'a Report, now_ms: u64) -> EngineView<'a> {
+        EngineView {
             slot: self.slot,
             id: self.id,
-            matched_blocks,
-            peer_blocks: 0,
+            routable: self.routable(now_ms),
+            peer: self.can_be_peer(now_ms),
+            draining: self.is_draining(),
+            report: &report.0,
+            age_secs: report.1,
             inflight: self.total_inflight(),
-            compute_inflight: 0,
-            wait_secs: report.wait_now(age.unwrap_or(0.0), ask, req.prior_secs_per_token)
-                + report.tier_load_secs(matched.host, matched.disk),
-            secs_per_token: report.secs_per_token(req.prior_secs_per_token),
-            max_seqs: report.max_seqs,
-            free_blocks: report.free_blocks,
+            queued_prefill: self.queued_prefill.load(Ordering::Relaxed),
         }
     }
 
@@ -288,7 +267,7 @@ impl Registry {
     }
 
     /// Routing candidates for `req`, skipping `exclude` (a slot bitmask of engines already
-    /// tried).
+    /// tried), and the engines they are, in the same order.
     pub fn candidates(
         &self,
         req: &RouteRequest<'_>,
@@ -296,112 +275,19 @@ impl Registry {
         now_ms: u64,
     ) -> (Vec<Candidate>, Vec<Arc<Engine>>) {
         let all = self.all();
-        let engines: Vec<Arc<Engine>> = all
-            .iter()
-            .filter(|e| exclude & (1 << e.slot) == 0 && e.routable(now_ms))
-            .cloned()
-            .collect();
-        let mask = engines.iter().fold(0u64, |m, e| m | (1 << e.slot));
-        let everyone: Vec<(Arc<LoadReport>, u64)> = all
-            .iter()
-            .map(|e| (e.report().0, e.total_inflight()))
-            .collect();
-        // Engines a candidate may count on to send it the prefix: those `best_peer` picks from
-        // (up, circuit closed). An engine answers a fetch between the layers of its step in
-        // progress, so its own work does not hold a transfer up. Each is listed with its
-        // compute and whether it would not take the request itself (draining, or with a full
-        // batch): such a holder counts for every candidate. The others (those that reported)
-        // count so that a tenant may move off a busier batch for the price of a transfer: for
-        // candidates on other compute only (moving work within one machine's cores gains
-        // nothing), and whose free blocks hold the request and as many blocks again as the pool
-        // caches. A pool that far from full is not evicting, so the copy does not trade another
-        // tenant's cached prefix for a second copy of this one. (Counting free blocks alone let
-        // copies fill a small pool while it warmed up, and the tenants evicted later.)
-        let holders: Vec<(usize, &str, bool)> = all
-            .iter()
-            .zip(&everyone)
-            .filter(|(e, _)| exclude & (1 << e.slot) == 0 && e.can_be_peer(now_ms))
-            .filter_map(|(e, (r, _))| {
-                let busy = e.is_draining() || (r.max_seqs > 0 && r.running >= r.max_seqs);
-                (busy || e.report().1.is_some()).then_some((e.slot, r.compute.as_str(), busy))
-            })
-            .collect();
-        let peers = holders.iter().fold(0u64, |m, (s, ..)| m | (1 << s));
-        let matched = self
-            .index
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .longest_tier_matches(req.hashes, mask | peers);
-        let reports: Vec<Report> = engines.iter().map(|e| e.report()).collect();
-        // An engine that has not measured its speed yet is taken to be as fast as the median of
-        // those that have (the configured prior only when none has).
-        let mut measured: Vec<f64> = reports
-            .iter()
-            .filter(|(r, age)| age.is_some() && r.secs_per_token > 0.0)
-            .map(|(r, _)| r.secs_per_token)
-            .collect();
-        measured.sort_by(f64::total_cmp);
-        let req = RouteRequest {
-            prior_secs_per_token: measured
-                .get(measured.len() / 2)
-                .copied()
-                .unwrap_or(req.prior_secs_per_token),
-            ..*req
-        };
-        let mut candidates: Vec<Candidate> = engines
+        let reports: Vec<Report> = all.iter().map(|e| e.report()).collect();
+        let views: Vec<EngineView<'_>> = all
             .iter()
             .zip(&reports)
-            .map(|(e, r)| e.candidate(r, matched[e.slot], &req))
+            .map(|(e, r)| e.view(r, now_ms))
             .collect();
-        let prompt_blocks = req.prompt_tokens.div_ceil(req.block_size.max(1) as usize) as u64;
-        for (c, (r, _)) in candidates.iter_mut().zip(&reports) {
-            let own = r.compute.as_str();
-            let cached = r.available_blocks.saturating_sub(r.free_blocks);
-            let room = c.free_blocks
-                >= prompt_blocks
-                    .saturating_sub(u64::from(c.matched_blocks))
-                    .saturating_add(cached);
-            let best = holders
-                .iter()
-                .filter(|&&(s, compute, busy)| {
-                    s != c.slot && (busy || (room && (own.is_empty() || compute != own)))
-                })
-                .map(|&(s, ..)| matched[s].fast)
-                .max()
-                .unwrap_or(0);
-            if best >= c.matched_blocks + PEER_MIN_GAIN_BLOCKS {
-                c.peer_blocks = best;
-            }
-        }
-        // Engines that report the same compute share it: each one's count is all of theirs
-        // (every engine's, routable or not: a draining one still computes), and each is priced
-        // at one rate, the median of theirs (the slower of the middle two). They run at one
-        // speed, and each one's fit of its own steps is bent by the others' work on the same
-        // cores: one read a tenth of the others' rate, and would have drawn tenants away from
-        // the engines caching their prefixes.
-        for (c, (r, _)) in candidates.iter_mut().zip(&reports) {
-            c.compute_inflight = c.inflight;
-            if r.compute.is_empty() {
-                continue;
-            }
-            let group = || everyone.iter().filter(|(o, _)| o.compute == r.compute);
-            c.compute_inflight = group()
-                .fold(0u64, |sum, (_, n)| sum.saturating_add(*n))
-                .max(c.inflight);
-            let mut rates: Vec<f64> = group()
-                .map(|(o, _)| o.secs_per_token(req.prior_secs_per_token))
-                .collect();
-            rates.sort_by(f64::total_cmp);
-            if let Some(&rate) = rates.get(rates.len() / 2) {
-                c.secs_per_token = rate;
-            }
-            // Free blocks are no reason to recompute a prefix beside its holder on the same
-            // cores: the prefill takes the compute the holder's queue waits for. Its blocks
-            // are counted as evicting, wherever they land.
-            if rates.len() > 1 {
-                c.free_blocks = 0;
-            }
-        }
+        let index = self.index.read().unwrap_or_else(|p| p.into_inner());
+        let candidates = candidates(&views, &index, req, exclude);
+        drop(index);
+        let engines = all
+            .into_iter()
+            .filter(|e| candidates.iter().any(|c| c.slot == e.slot))
+            .collect();
         (candidates, engines)
     }
 }
@@ -420,33 +306,208 @@ impl Registry {
         exclude: u64,
         now_ms: u64,
     ) -> Option<(Arc<Engine>, u32)> {
-        let engines: Vec<Arc<Engine>> = self
-            .all()
-            .into_iter()
-            .filter(|e| e.slot != chosen && exclude & (1 << e.slot) == 0 && e.can_be_peer(now_ms))
-            .collect();
-        let mask = engines.iter().fold(0u64, |m, e| m | (1 << e.slot));
-        if mask == 0 {
-            return None;
-        }
-        let matched = self
-            .index
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .longest_tier_matches(hashes, mask);
-        engines
-            .into_iter()
-            .map(|e| {
-                let n = matched[e.slot].fast;
-                (e, n)
-            })
-            .filter(|(_, n)| *n > 0)
-            .max_by_key(|(_, n)| *n)
+        let all = self.all();
+        let peers = all
+            .iter()
+            .filter(|e| e.can_be_peer(now_ms))
+            .fold(0u64, |m, e| m | (1 << e.slot));
+        let index = self.index.read().unwrap_or_else(|p| p.into_inner());
+        let (slot, n) = best_peer(&index, hashes, peers, chosen, exclude)?;
+        drop(index);
+        all.into_iter().find(|e| e.slot == slot).map(|e| (e, n))
     }
 }
 
+/// Of the engines in `peers` (a slot mask of those that may send a prefix), other than `chosen`
+/// and those in `exclude`, the one whose device pool or host tier holds the longest leading run
+/// of `hashes`, with that run's length (none when no one holds any).
+pub fn best_peer(
+    index: &PrefixIndex,
+    hashes: &[kvgate_protocol::BlockHash],
+    peers: u64,
+    chosen: usize,
+    exclude: u64,
+) -> Option<(usize, u32)> {
+    let mask = peers & !exclude & !(1u64 << chosen);
+    if mask == 0 {
+        return None;
+    }
+    let matched = index.longest_tier_matches(hashes, mask);
+    (0..MAX_ENGINES)
+        .filter(|s| mask & (1 << s) != 0 && matched[*s].fast > 0)
+        .map(|s| (s, matched[s].fast))
+        .max_by_key(|&(s, n)| (n, s))
+}
+
+/// What routing reads of one engine: its state at the gateway and its last load report. The
+/// gateway takes one of each engine per decision ([`Engine::view`]); the routing simulator makes
+/// them from its simulated engines, so both route through [`candidates`].
+#[derive(Debug, Clone, Copy)]
+pub struct EngineView<'a> {
+    pub slot: usize,
+    /// Rendezvous id (a hash of the name).
+    pub id: u64,
+    /// May take new requests ([`Engine::routable`]).
+    pub routable: bool,
+    /// May send a prefix to another engine ([`Engine::can_be_peer`]).
+    pub peer: bool,
+    pub draining: bool,
+    pub report: &'a LoadReport,
+    /// How old the report is, in seconds (`None`: no usable report yet).
+    pub age_secs: Option<f64>,
+    /// Requests in flight on it: this gateway's now, and other gateways' at the last report.
+    pub inflight: u64,
+    /// Prompt tokens routed to it whose prefill has not started streaming back.
+    pub queued_prefill: u64,
+}
+
+impl EngineView<'_> {
+    /// The routing candidate this engine is for `req`, of which it caches `matched_blocks`
+    /// blocks: its wait in seconds from its last report (less the report's age), at least the
+    /// prefill routed to it that has not started; and its requests in flight. An engine that
+    /// has not measured its speed is taken at `req`'s prior seconds per token.
+    ///
+    /// Matched blocks in the engine's host tier or on its disk save their prefill but must be
+    /// loaded first: their load time, at the engine's measured rates, adds to its wait.
+    fn candidate(&self, matched: TierMatch, req: &RouteRequest<'_>) -> Candidate {
+        let report = self.report;
+        let matched_blocks = matched.blocks;
+        let block = req.block_size.max(1) as usize;
+        let uncached = req
+            .prompt_tokens
+            .saturating_sub(matched_blocks as usize * block);
+        let ask = Ask {
+            tenant: Some(req.tenant),
+            own_tokens: uncached as u64,
+            blocks_needed: uncached.div_ceil(block) as u64,
+            queued_tokens: self.queued_prefill,
+        };
+        Candidate {
+            slot: self.slot,
+            id: self.id,
+            matched_blocks,
+            peer_blocks: 0,
+            inflight: self.inflight,
+            compute_inflight: 0,
+            wait_secs: report.wait_now(self.age_secs.unwrap_or(0.0), ask, req.prior_secs_per_token)
+                + report.tier_load_secs(matched.host, matched.disk),
+            secs_per_token: report.secs_per_token(req.prior_secs_per_token),
+            max_seqs: report.max_seqs,
+            free_blocks: report.free_blocks,
+        }
+    }
+}
+
+/// Routing candidates for `req` among `engines` (those routable and not in `exclude`, a slot
+/// bitmask of engines already tried), in their order, with what `index` says each caches.
+pub fn candidates(
+    engines: &[EngineView<'_>],
+    index: &PrefixIndex,
+    req: &RouteRequest<'_>,
+    exclude: u64,
+) -> Vec<Candidate> {
+    let open: Vec<&EngineView<'_>> = engines
+        .iter()
+        .filter(|e| exclude & (1 << e.slot) == 0 && e.routable)
+        .collect();
+    let mask = open.iter().fold(0u64, |m, e| m | (1 << e.slot));
+    // Engines a candidate may count on to send it the prefix: those `best_peer` picks from
+    // (up, circuit closed). An engine answers a fetch between the layers of its step in
+    // progress, so its own work does not hold a transfer up. Each is listed with its compute
+    // and whether it would not take the request itself (draining, or with a full batch): such
+    // a holder counts for every candidate. The others (those that reported) count so that a
+    // tenant may move off a busier batch for the price of a transfer: for candidates on other
+    // compute only (moving work within one machine's cores gains nothing), and whose free
+    // blocks hold the request and as many blocks again as the pool caches. A pool that far from
+    // full is not evicting, so the copy does not trade another tenant's cached prefix for a
+    // second copy of this one. (Counting free blocks alone let copies fill a small pool while
+    // it warmed up, and the tenants evicted later.)
+    let holders: Vec<(usize, &str, bool)> = engines
+        .iter()
+        .filter(|e| exclude & (1 << e.slot) == 0 && e.peer)
+        .filter_map(|e| {
+            let r = e.report;
+            let busy = e.draining || (r.max_seqs > 0 && r.running >= r.max_seqs);
+            (busy || e.age_secs.is_some()).then_some((e.slot, r.compute.as_str(), busy))
+        })
+        .collect();
+    let peers = holders.iter().fold(0u64, |m, (s, ..)| m | (1 << s));
+    let matched = index.longest_tier_matches(req.hashes, mask | peers);
+    // An engine that has not measured its speed yet is taken to be as fast as the median of
+    // those that have (the configured prior only when none has).
+    let mut measured: Vec<f64> = open
+        .iter()
+        .filter(|e| e.age_secs.is_some() && e.report.secs_per_token > 0.0)
+        .map(|e| e.report.secs_per_token)
+        .collect();
+    measured.sort_by(f64::total_cmp);
+    let req = RouteRequest {
+        prior_secs_per_token: measured
+            .get(measured.len() / 2)
+            .copied()
+            .unwrap_or(req.prior_secs_per_token),
+        ..*req
+    };
+    let mut candidates: Vec<Candidate> = open
+        .iter()
+        .map(|e| e.candidate(matched[e.slot], &req))
+        .collect();
+    let prompt_blocks = req.prompt_tokens.div_ceil(req.block_size.max(1) as usize) as u64;
+    for (c, e) in candidates.iter_mut().zip(&open) {
+        let r = e.report;
+        let own = r.compute.as_str();
+        let cached = r.available_blocks.saturating_sub(r.free_blocks);
+        let room = c.free_blocks
+            >= prompt_blocks
+                .saturating_sub(u64::from(c.matched_blocks))
+                .saturating_add(cached);
+        let best = holders
+            .iter()
+            .filter(|&&(s, compute, busy)| {
+                s != c.slot && (busy || (room && (own.is_empty() || compute != own)))
+            })
+            .map(|&(s, ..)| matched[s].fast)
+            .max()
+            .unwrap_or(0);
+        if best >= c.matched_blocks + PEER_MIN_GAIN_BLOCKS {
+            c.peer_blocks = best;
+        }
+    }
+    // Engines that report the same compute share it: each one's count is all of theirs (every
+    // engine's, routable or not: a draining one still computes), and each is priced at one
+    // rate, the median of theirs (the slower of the middle two). They run at one speed, and
+    // each one's fit of its own steps is bent by the others' work on the same cores: one read
+    // a tenth of the others' rate, and would have drawn tenants away from the engines caching
+    // their prefixes.
+    for (c, e) in candidates.iter_mut().zip(&open) {
+        let r = e.report;
+        c.compute_inflight = c.inflight;
+        if r.compute.is_empty() {
+            continue;
+        }
+        let group = || engines.iter().filter(|o| o.report.compute == r.compute);
+        c.compute_inflight = group()
+            .fold(0u64, |sum, o| sum.saturating_add(o.inflight))
+            .max(c.inflight);
+        let mut rates: Vec<f64> = group()
+            .map(|o| o.report.secs_per_token(req.prior_secs_per_token))
+            .collect();
+        rates.sort_by(f64::total_cmp);
+        if let Some(&rate) = rates.get(rates.len() / 2) {
+            c.secs_per_token = rate;
+        }
+        // Free blocks are no reason to recompute a prefix beside its holder on the same cores:
+        // the prefill takes the compute the holder's queue waits for. Its blocks are counted
+        // as evicting, wherever they land.
+        if rates.len() > 1 {
+            c.free_blocks = 0;
+        }
+    }
+    candidates
+}
+
 /// An engine's load report and its age (see [`Engine::report`]).
-type Report = (Arc<LoadReport>, Option<f64>);
+pub type Report = (Arc<LoadReport>, Option<f64>);
 
 /// In-flight counts an engine reports are capped here (a count past it is nonsense).
 const MAX_REPORTED_INFLIGHT: u64 = 1 << 32;

@@ -317,7 +317,7 @@ unsafe fn run_range<E: Elem>(
     n1: usize,
     out: SharedOut,
 ) {
-    debug_assert!(x.len() >= d.m * d.k && w.len() >= d.n * d.k);
+    assert!(x.len() >= d.m * d.k && w.len() >= d.n * d.k);
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Amx => {

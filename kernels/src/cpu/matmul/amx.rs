@@ -121,7 +121,7 @@ pub(super) unsafe fn gemm<B: QDot>(
     out: *mut f32,
 ) {
     let nb = d.k / QK;
-    debug_assert!((n1 - n0).is_multiple_of(ROWS) && xp.len() >= d.m.div_ceil(GROUP) * nb);
+    assert!((n1 - n0).is_multiple_of(ROWS) && xp.len() >= d.m.div_ceil(GROUP) * nb);
     let cfg = TileConfig::new();
     SCRATCH.with(|cell| {
         let (scales, bytes) = &mut *cell.borrow_mut();

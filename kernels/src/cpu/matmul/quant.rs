@@ -502,7 +502,7 @@ pub(super) unsafe fn gemv_range<B: QDot>(
     out: SharedOut,
 ) {
     let nb = d.k / QK;
-    debug_assert!(xq.len() >= d.m * nb && w.len() >= d.n * nb);
+    assert!(xq.len() >= d.m * nb && w.len() >= d.n * nb);
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Amx && !xp.is_empty() {
         // Whole tiles of 16 weight rows on the tile unit, the rest as below.
