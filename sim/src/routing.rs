@@ -464,6 +464,8 @@ struct Engine {
     host: Lru,
     /// Requests waiting for a seat in the batch, in arrival order.
     waiting: VecDeque<usize>,
+    /// Their prompt tokens not cached when they arrived, per tenant (what the engine reports).
+    waiting_tokens: BTreeMap<u32, u64>,
     running: Vec<Seq>,
     /// The step in progress (`None`: idle).
     phase: Option<Phase>,
@@ -651,6 +653,8 @@ struct Simulation<'a> {
     sent: Vec<f64>,
     /// Per request: the prompt tokens its engine was routed for (the gateway's queued count).
     routed_tokens: Vec<u64>,
+    /// Per request: its prompt tokens not cached when it joined its engine's queue.
+    queued_tokens: Vec<u64>,
     /// Requests sent and not yet answered.
     outstanding: usize,
     /// Engines with a step in progress.
@@ -683,6 +687,7 @@ impl<'a> Simulation<'a> {
                 private: 0,
                 host: Lru::default(),
                 waiting: VecDeque::new(),
+                waiting_tokens: BTreeMap::new(),
                 running: Vec::new(),
                 phase: None,
                 steps: 0,
@@ -723,6 +728,7 @@ impl<'a> Simulation<'a> {
             started: vec![0.0; n],
             sent: vec![0.0; n],
             routed_tokens: vec![0; n],
+            queued_tokens: vec![0; n],
             outstanding: 0,
             busy: 0,
             events: BinaryHeap::new(),
@@ -795,14 +801,11 @@ impl<'a> Simulation<'a> {
             .iter()
             .map(|s| (requests[s.req].prompt_tokens as usize - s.prefilled) as u64)
             .sum();
-        let mut waiting_by_tenant = BTreeMap::new();
-        for &i in &e.waiting {
-            let r = &requests[i];
-            let cached = e.device_prefix(&r.hashes) * self.block_size();
-            *waiting_by_tenant
-                .entry(self.tenant_names[r.tenant as usize].clone())
-                .or_insert(0u64) += (r.prompt_tokens as usize).saturating_sub(cached) as u64;
-        }
+        let waiting_by_tenant: BTreeMap<String, u64> = e
+            .waiting_tokens
+            .iter()
+            .map(|(&t, &n)| (self.tenant_names[t as usize].clone(), n))
+            .collect();
         let next_end = e
             .running
             .iter()
@@ -845,8 +848,8 @@ impl<'a> Simulation<'a> {
         }
         self.sent[i] = self.now;
         self.outstanding += 1;
-        let t0 = Instant::now();
         let (slot, matched) = self.choose(r);
+        let t0 = Instant::now();
         // As the gateway does: the engine that holds the most of the prefix, when that is
         // enough more than the chosen one's.
         let peer = match self.policy {
@@ -877,11 +880,20 @@ impl<'a> Simulation<'a> {
                 self.peer_fetches += 1;
                 self.schedule(at, Event::Fetched(slot, i, from));
             }
-            None => {
-                self.engines[slot].waiting.push_back(i);
-                self.next_step(slot);
-            }
+            None => self.enqueue(slot, i),
         }
+    }
+
+    /// Request `i` joins engine `slot`'s queue.
+    fn enqueue(&mut self, slot: usize, i: usize) {
+        let r = &self.trace.requests[i];
+        let b = self.block_size();
+        let e = &mut self.engines[slot];
+        let uncached = (r.prompt_tokens as usize).saturating_sub(e.device_prefix(&r.hashes) * b);
+        self.queued_tokens[i] = uncached as u64;
+        *e.waiting_tokens.entry(r.tenant).or_default() += uncached as u64;
+        e.waiting.push_back(i);
+        self.next_step(slot);
     }
 
     /// The engine for `r` and the prefix blocks it is believed to hold, by the policy.
@@ -913,6 +925,9 @@ impl<'a> Simulation<'a> {
                     block_size: self.trace.config.block_size,
                     prior_secs_per_token: 1.0 / self.trace.config.prefill_tps,
                 };
+                // The decision's time: from the engines' state as the gateway holds it (the
+                // simulator's building of their reports is not counted).
+                let t0 = Instant::now();
                 let candidates = candidates(&views, &self.index, &req, 0);
                 let affinity = self.trace.tenants[r.tenant as usize].affinity;
                 let Some(choice) = self.router.choose(
@@ -923,10 +938,12 @@ impl<'a> Simulation<'a> {
                 ) else {
                     unreachable!("engines are never empty")
                 };
+                self.decision_ns += t0.elapsed().as_nanos();
                 let matched = choice.matched_blocks as usize;
                 (choice.slot, matched, choice.reason.as_str())
             }
             SimPolicy::Oracle => {
+                let t0 = Instant::now();
                 let known = |e: &Engine| {
                     r.hashes
                         .iter()
@@ -946,6 +963,7 @@ impl<'a> Simulation<'a> {
                     })
                     .map(|(m, e)| (e.slot, m))
                     .unwrap_or((0, 0));
+                self.decision_ns += t0.elapsed().as_nanos();
                 let reason = if matched > 0 {
                     "prefix"
                 } else {
@@ -989,9 +1007,8 @@ impl<'a> Simulation<'a> {
             }
         }
         self.peer_tokens += (stored * b) as u64;
-        e.waiting.push_back(i);
         self.check(slot);
-        self.next_step(slot);
+        self.enqueue(slot, i);
     }
 
     /// If engine `slot` is idle, plans a step and starts it.
@@ -1076,6 +1093,12 @@ impl<'a> Simulation<'a> {
                 break;
             }
             e.waiting.remove(k);
+            if let Some(n) = e.waiting_tokens.get_mut(&r.tenant) {
+                *n -= self.queued_tokens[i];
+                if *n == 0 {
+                    e.waiting_tokens.remove(&r.tenant);
+                }
+            }
             for h in &r.hashes[..device] {
                 e.hold(*h, &mut self.index);
             }

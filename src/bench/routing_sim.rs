@@ -305,12 +305,23 @@ fn table(trace: &Trace, results: &[PolicyResult], timing: Option<&DecisionTiming
         c.block_size,
         trace.capacity_blocks
     );
+    let speed = if c.step_curve.is_empty() {
+        format!(
+            "prefill {} tok/s, decode {} tok/s",
+            c.prefill_tps, c.decode_tps
+        )
+    } else {
+        let points: Vec<String> = c
+            .step_curve
+            .iter()
+            .map(|(t, secs)| format!("{t}:{:.0}", secs * 1e3))
+            .collect();
+        format!("steps (tokens:ms) {}", points.join(","))
+    };
     let _ = writeln!(
         s,
-        "  engine: prefill {} tok/s, decode {} tok/s, batch of {} (step budget {}, {} beside \
-         decodes); peer fetch {} ms/block; routing load_factor {}",
-        c.prefill_tps,
-        c.decode_tps,
+        "  engine: {speed}, batch of {} (step budget {}, {} beside decodes); peer fetch {} \
+         ms/block; routing load_factor {}",
         c.max_seqs,
         c.max_batched_tokens,
         c.decode_step_prefill_tokens,
