@@ -83,7 +83,9 @@ pub struct SimConfig {
     pub output_tokens: (usize, usize),
     /// Prompt blocks each engine caches; `None`: a quarter of all tenants' system-prompt blocks.
     pub capacity_blocks: Option<usize>,
-    /// Fleet utilization the arrival rate aims at, counting every system prompt as cached.
+    /// Fleet utilization the arrival rate aims at, counting every system prompt as cached and
+    /// one request at a time at `prefill_tps` and `decode_tps` (neither the batch nor
+    /// `step_curve`: with those, set `rate` or `clients`).
     pub utilization: f64,
     /// Requests per second; `None`: derived from `utilization`.
     pub rate: Option<f64>,
@@ -103,7 +105,8 @@ pub struct SimConfig {
     pub peer_load_secs_per_block: f64,
     /// A step's seconds at full speed by its tokens, as measured on an engine: points
     /// `(tokens, secs)` in increasing tokens, joined by straight lines and extended past the last
-    /// with the last segment's slope. Empty: the line of `prefill_tps` and `decode_tps`.
+    /// with the last segment's slope (never below the quickest point). Fewer than two points:
+    /// the line of `prefill_tps` and `decode_tps`.
     pub step_curve: Vec<(usize, f64)>,
     pub load_factor: f64,
     /// Host-tier blocks per engine (0: no host tier).
@@ -159,15 +162,14 @@ impl SimConfig {
         let c = &self.step_curve;
         if c.len() < 2 {
             let per_token = 1.0 / self.prefill_tps;
-            let fixed = c
-                .first()
-                .map_or((1.0 / self.decode_tps - per_token).max(0.0), |p| p.1);
-            return fixed + x * per_token;
+            return (1.0 / self.decode_tps - per_token).max(0.0) + x * per_token;
         }
         let k = c.partition_point(|p| p.0 < tokens).clamp(1, c.len() - 1);
         let ((x0, y0), (x1, y1)) = (c[k - 1], c[k]);
         let slope = (y1 - y0) / (x1 as f64 - x0 as f64).max(1.0);
-        (y0 + slope * (x - x0 as f64)).max(0.0)
+        // Never quicker than the quickest point (a falling last segment, extended).
+        let floor = c.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
+        (y0 + slope * (x - x0 as f64)).max(floor)
     }
 }
 
@@ -987,18 +989,34 @@ impl<'a> Simulation<'a> {
         let e = &mut self.engines[slot];
         let own = e.device_prefix(&r.hashes);
         let sent = sent.min(own + MAX_PEER_FETCH_BLOCKS as usize);
+        // The request's own cached blocks are made the newest, and at most as many blocks are
+        // stored as the pool can take without evicting them: a transfer never pushes out the
+        // head it continues.
+        for h in r.hashes[..own].iter().rev() {
+            if e.cache.contains(*h) {
+                e.cache.touch(h.0);
+            }
+        }
+        let own_cached = r.hashes[..own]
+            .iter()
+            .filter(|h| e.cache.contains(**h))
+            .count();
+        let mut room = e.free(capacity) + e.cache.len() - own_cached;
         let mut stored = 0;
         for &h in r.hashes.get(own..sent).unwrap_or(&[]) {
             if e.holds(h) {
                 continue;
             }
-            if !e.make_room(capacity, host_capacity, &mut self.index) {
+            if room == 0 || !e.make_room(capacity, host_capacity, &mut self.index) {
                 break;
             }
-            e.host.remove(h.0);
+            room -= 1;
+            // A block of its own host tier comes back from there, not from the peer.
+            if !e.host.remove(h.0) {
+                stored += 1;
+            }
             e.cache.touch(h.0);
             self.index.insert(slot, h);
-            stored += 1;
         }
         // Oldest first when evicted: the head of the prefix goes last.
         for h in r.hashes[..sent.max(own)].iter().rev() {
@@ -1099,10 +1117,13 @@ impl<'a> Simulation<'a> {
                     e.waiting_tokens.remove(&r.tenant);
                 }
             }
-            for h in &r.hashes[..device] {
-                e.hold(*h, &mut self.index);
+            // The host tier's run leaves it first: the room made below for the new blocks
+            // demotes cached ones there, and must not push out the blocks being loaded.
+            for h in &r.hashes[device..device + host] {
+                e.host.remove(h.0);
             }
-            for h in &r.hashes[device..] {
+            // The device prefix comes first and is held as it is; the rest take a block each.
+            for h in &r.hashes {
                 if !e.holds(*h) && !e.make_room(capacity, host_capacity, &mut self.index) {
                     unreachable!("admission counted the blocks");
                 }
@@ -1707,6 +1728,9 @@ mod tests {
         assert!((cfg.step_secs(65) - 0.5).abs() < 1e-12);
         // Past the last point, the last segment's slope.
         assert!((cfg.step_secs(175) - 1.1).abs() < 1e-12);
+        // A falling last segment, extended, stops at the quickest point.
+        cfg.step_curve = vec![(1, 0.03), (8, 0.02)];
+        assert!((cfg.step_secs(100) - 0.02).abs() < 1e-12);
     }
 
     #[test]
@@ -1770,6 +1794,35 @@ mod tests {
             rr.hit_rate,
             oracle.hit_rate
         );
+    }
+
+    #[test]
+    fn a_transfer_never_evicts_the_prefix_it_continues() {
+        let trace = Trace::generate(&small(Some(60)));
+        let i = (0..trace.len())
+            .find(|&i| trace.requests[i].hashes.len() >= 8)
+            .unwrap();
+        let r = &trace.requests[i];
+        let mut sim = Simulation::new(&trace, SimPolicy::Router(Policy::RoundRobin), true);
+        // Engine 1 caches the whole prefix; engine 0 its first two blocks, the oldest of a full
+        // pool of other tenants' blocks.
+        for h in &r.hashes {
+            sim.engines[1].cache.touch(h.0);
+            sim.index.insert(1, *h);
+        }
+        for h in &r.hashes[..2] {
+            sim.engines[0].cache.touch(h.0);
+            sim.index.insert(0, *h);
+        }
+        for k in 0..58u128 {
+            sim.engines[0].cache.touch(u128::MAX - k);
+            sim.index.insert(0, BlockHash(u128::MAX - k));
+        }
+        sim.fetched(0, i, 1);
+        // The transfer evicted others' blocks, not the head it continues: the request, admitted
+        // at once, found its whole prefix cached.
+        assert_eq!(sim.cached_blocks[i], r.hashes.len());
+        assert_eq!(sim.peer_tokens, ((r.hashes.len() - 2) * 16) as u64);
     }
 
     #[test]

@@ -120,6 +120,9 @@ fn step_curve(s: &str) -> Result<StepCurve, String> {
         }
         points.push((t, ms / 1e3));
     }
+    if points.len() < 2 || points.iter().all(|p| p.1 == 0.0) {
+        return Err("at least two points, not all of them 0 ms".to_owned());
+    }
     Ok(StepCurve(points))
 }
 
@@ -200,8 +203,13 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
     if !(args.peer_load_ms_per_block >= 0.0 && args.peer_load_ms_per_block.is_finite()) {
         bail!("--peer-load-ms-per-block must be a non-negative number");
     }
-    if config.system_tokens.1 == 0 {
-        bail!("--sim-system-tokens must be positive");
+    if config.system_tokens.1 == 0 || config.system_tokens.0 + config.user_tokens.0 == 0 {
+        bail!(
+            "--sim-system-tokens must be positive, and with --sim-user-tokens at least one token"
+        );
+    }
+    if config.output_tokens.0 == 0 {
+        bail!("--sim-output-tokens must be at least 1 (the prefill's step gives the first)");
     }
     let policies = args
         .policies

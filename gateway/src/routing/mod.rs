@@ -26,10 +26,10 @@
 //! rendezvous order (of the tenant's system-prompt hash) that has had no more than its share of
 //! the recent requests (and is home to at most twice its share of tenants), so that a tenant
 //! that sends a third of the traffic is not given other tenants' homes beside it. The home is
-//! kept while it is busy, as a cached prefix is (the tenant's earlier requests, still in
-//! prefill there, store the prefix for the later ones), unless it is at its in-flight cap and
-//! waiting there costs more than computing the prompt elsewhere: then the tenant moves to where
-//! the request goes.
+//! priced as a cached prefix is, by its wait (the tenant's earlier requests, still in prefill
+//! there, store the prefix for the later ones), and kept while that wait costs no more than
+//! computing the prompt on the cheapest engine; otherwise the tenant moves to where the request
+//! goes.
 //!
 //! `round_robin`, `least_loaded` (the shortest wait) and `consistent_hash` (plain rendezvous, no
 //! load bound) are there for comparison.
@@ -83,7 +83,8 @@ pub enum Reason {
     /// No engine caches the prefix: the tenant's home engine.
     Affinity,
     /// Waiting for a cached prefix costs more than computing it (or its engines are at their
-    /// in-flight cap), or the home engine is at its cap: the cheapest engine.
+    /// in-flight cap), or waiting at the home engine costs more than computing the prompt
+    /// elsewhere: the cheapest engine.
     LeastLoaded,
     RoundRobin,
     ConsistentHash,

@@ -320,7 +320,8 @@ impl Registry {
 
 /// Of the engines in `peers` (a slot mask of those that may send a prefix), other than `chosen`
 /// and those in `exclude`, the one whose device pool or host tier holds the longest leading run
-/// of `hashes`, with that run's length (none when no one holds any).
+/// of `hashes`, with that run's length (none when no one holds any); of equal runs, the higher
+/// slot's.
 pub fn best_peer(
     index: &PrefixIndex,
     hashes: &[kvgate_protocol::BlockHash],
