@@ -1599,6 +1599,11 @@ pub fn time_decisions(
 mod tests {
     use super::*;
 
+    /// `a` is more than `k` times `b`.
+    fn assert_above(a: f64, k: f64, b: f64) {
+        assert!(a > k * b, "{a} is not above {k} x {b}");
+    }
+
     fn small(capacity_blocks: Option<usize>) -> SimConfig {
         SimConfig {
             engines: 4,
@@ -1748,12 +1753,7 @@ mod tests {
         }
         // Two clients an engine: a step decodes both sequences for little more than one's time
         // (prefills, a token's time each, gain nothing).
-        assert!(
-            batch.requests_per_s > 1.5 * one.requests_per_s,
-            "{} against {}",
-            batch.requests_per_s,
-            one.requests_per_s
-        );
+        assert_above(batch.requests_per_s, 1.5, one.requests_per_s);
     }
 
     #[test]
@@ -1788,12 +1788,7 @@ mod tests {
         assert!(rr.peer_tokens >= rr.peer_fetches * 16 * u64::from(PEER_MIN_GAIN_BLOCKS));
         // What came over is counted as cached: round robin hits nearly what the oracle does.
         let oracle = run(&trace, SimPolicy::Oracle, true);
-        assert!(
-            rr.hit_rate > 0.9 * oracle.hit_rate,
-            "{} against {}",
-            rr.hit_rate,
-            oracle.hit_rate
-        );
+        assert_above(rr.hit_rate, 0.9, oracle.hit_rate);
     }
 
     #[test]
