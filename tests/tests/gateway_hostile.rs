@@ -272,6 +272,39 @@ fn a_client_leaving_during_admission_releases_its_lease() {
     wait_admitted(&gw, &key, &[]);
 }
 
+/// A release the store refuses (here: Redis's ACL forbids scripts for a moment) is tried again, so the tenant's slot comes back once the store does, instead of staying taken until
+/// the lease lapses a minute later. The answer does not wait for the retries.
+#[test]
+fn a_refused_release_is_retried() {
+    let _serial = serial();
+    let redis = RedisServer::start();
+    let (_e, gw) = one_engine(StoreKind::Redis(redis.url()));
+    let key = gw.tenant("t", json!({"max_concurrent": 1}));
+    wait_admitted(&gw, &key, &[]);
+    let conc = "kvgate:rl:t:conc";
+    assert_eq!(redis.cmd(&["ZCARD", conc]), Reply::Int(0));
+    // Admitted, then the store refuses scripts while the engine works on the prompt.
+    let mut s = send(&gw, &key, &long_prompt_body(), "");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(redis.cmd(&["ZCARD", conc]), Reply::Int(1), "admitted");
+    redis.cmd(&["ACL", "SETUSER", "default", "-evalsha", "-eval"]);
+    let answer = read_until(&mut s, "\r\n\r\n");
+    assert_eq!(status_of(&answer), 200, "{answer}");
+    // The first try was refused: the lease is still there.
+    assert_eq!(
+        redis.cmd(&["ZCARD", conc]),
+        Reply::Int(1),
+        "released though refused?"
+    );
+    redis.cmd(&["ACL", "SETUSER", "default", "+evalsha", "+eval"]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while redis.cmd(&["ZCARD", conc]) != Reply::Int(0) {
+        assert!(Instant::now() < deadline, "the lease stayed taken");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    wait_admitted(&gw, &key, &[]);
+}
+
 #[test]
 fn a_request_timeout_releases_everything() {
     let _serial = serial();

@@ -689,3 +689,45 @@ async fn ledger_audit_and_tokens_on_redis() {
 async fn ledger_audit_and_tokens_in_memory() {
     ledger_audit_and_tokens(&MemoryStore::new()).await;
 }
+
+/// Every connection the store opens, reconnections included, is driven by the runtime the store
+/// was connected on. A gateway's API threads each run a runtime of their own; a reconnection
+/// started by one of them used to be driven there, so when that thread stopped (a graceful
+/// stop ends the API threads one by one) the connection broke for every caller, and the
+/// rate-limit releases still on their way failed with a broken pipe.
+#[test]
+fn a_reconnection_outlives_the_runtime_that_started_it() {
+    let mut server = RedisServer::start();
+    let home = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = Arc::new(home.block_on(migrated(&server)));
+    // Redis goes away and comes back: the next call made anywhere reconnects.
+    server.stop();
+    assert!(home.block_on(store.schema_version()).is_err());
+    server.restart();
+    // Another runtime, as an API thread's, makes that call, then ends.
+    let s = store.clone();
+    let reconnected = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            for _ in 0..50 {
+                if s.schema_version().await.is_ok() {
+                    return true;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            false
+        })
+    })
+    .join()
+    .unwrap();
+    assert!(reconnected, "never reconnected");
+    // The connection it opened still works: the first call here succeeds.
+    assert_eq!(home.block_on(store.schema_version()).unwrap(), 0);
+}

@@ -24,6 +24,16 @@ use std::time::{Duration, Instant};
 pub const LEASE: Duration = Duration::from_secs(60);
 /// How often a live request renews its lease.
 const RENEW_EVERY: Duration = Duration::from_secs(20);
+/// The pauses before a failed release is tried again; after the last, the lease is left to
+/// lapse. A release cut off by a reconnection or a moment's outage of the store goes through
+/// on a later try instead of holding the tenant's slot for a whole [`LEASE`]. A try whose
+/// answer was lost may have charged its tokens already, so a retry can charge them twice: it
+/// errs toward charging, never toward a free request.
+const RELEASE_RETRIES: [Duration; 3] = [
+    Duration::from_millis(100),
+    Duration::from_millis(300),
+    Duration::from_millis(900),
+];
 
 /// The status recorded for a request whose client left before it was answered (as nginx does).
 pub const CLIENT_CLOSED: u16 = 499;
@@ -102,18 +112,19 @@ impl Lease {
 
 impl Lease {
     /// Releases the lease and waits until the store has it back, so that the tenant's next
-    /// request, sent once this one's answer arrives, finds its slot free. A release cut short
-    /// (the caller dropped) still completes in the background.
+    /// request, sent once this one's answer arrives, finds its slot free. Waits for the first
+    /// try only: retries after a failure go on in the background. A release cut short (the
+    /// caller dropped) still completes in the background.
     pub async fn release(mut self) {
-        if let Some(task) = self.start_release() {
-            let _ = task.await;
+        if let Some(tried) = self.start_release() {
+            let _ = tried.await;
         }
     }
 
     /// Starts the release, once: on the gateway's own runtime, which outlives the API threads,
     /// so a release started as an API thread stops still runs. (Once that runtime is gone, the
-    /// lease lapses on its own.)
-    fn start_release(&mut self) -> Option<tokio::task::JoinHandle<()>> {
+    /// lease lapses on its own.) The answer comes once every bucket has been tried once.
+    fn start_release(&mut self) -> Option<tokio::sync::oneshot::Receiver<()>> {
         if std::mem::replace(&mut self.released, true) {
             return None;
         }
@@ -125,15 +136,43 @@ impl Lease {
         // Counted from now (not from when the task first runs), so a stop that begins in
         // between still waits for it; uncounted when the task ends or is dropped unfinished.
         let pending = PendingRelease::start(&gw.pending_releases);
-        Some(self.gw.background.spawn(async move {
+        let (tried, answer) = tokio::sync::oneshot::channel();
+        self.gw.background.spawn(async move {
             let _pending = pending;
-            for (bucket, limits) in buckets.iter() {
-                if let Err(e) = gw.store.release(bucket, *limits, &id, owed).await {
-                    gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(error = %e, "rate-limit release failed; the lease will lapse");
+            let release = |i: usize| {
+                let (bucket, limits) = &buckets[i];
+                gw.store.release(bucket, *limits, &id, owed)
+            };
+            let mut failed = Vec::new();
+            for i in 0..buckets.len() {
+                if release(i).await.is_err() {
+                    failed.push(i);
                 }
             }
-        }))
+            let _ = tried.send(());
+            let mut pauses = RELEASE_RETRIES.iter();
+            while !failed.is_empty() {
+                gw.metrics
+                    .store_errors
+                    .fetch_add(failed.len() as u64, Ordering::Relaxed);
+                let Some(pause) = pauses.next() else {
+                    tracing::warn!(
+                        buckets = failed.len(),
+                        "rate-limit release failed; the lease will lapse"
+                    );
+                    break;
+                };
+                tokio::time::sleep(*pause).await;
+                let mut still = Vec::new();
+                for i in failed {
+                    if release(i).await.is_err() {
+                        still.push(i);
+                    }
+                }
+                failed = still;
+            }
+        });
+        Some(answer)
     }
 }
 

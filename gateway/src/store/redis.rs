@@ -34,6 +34,10 @@
 //!
 //! Every call has a deadline ([`CALL_TIMEOUT`]): with Redis down it fails fast with
 //! [`StoreError::Unavailable`], and the connection manager reconnects in the background.
+//! Every call runs in the context of the runtime the store was connected on (its home), so the
+//! connection's driver task, and any reconnection a failed call starts, live there: a gateway's
+//! API threads each run a runtime of their own, and a connection driven by one of them would
+//! break for every caller when that thread stops.
 //! Scripts that touch keys they do not declare (`delete_tenant`, migrations) assume one Redis
 //! primary (with replicas), not Redis Cluster.
 
@@ -238,6 +242,9 @@ return redis.call('DEL', KEYS[1])
 #[derive(Clone)]
 pub struct RedisStore {
     conn: ConnectionManager,
+    /// The runtime the store was connected on, which outlives its callers' (see the module
+    /// documentation).
+    home: tokio::runtime::Handle,
     /// For the pub/sub connection that follows tenant changes.
     client: redis::Client,
     /// Host and port only: a URL may carry a password.
@@ -300,6 +307,7 @@ impl RedisStore {
         .await?;
         Ok(RedisStore {
             conn,
+            home: tokio::runtime::Handle::current(),
             client,
             addr,
             admit: Script::new(&format!("{LUA_HELPERS}{ADMIT_LUA}")),
@@ -333,7 +341,21 @@ impl RedisStore {
         F: FnOnce(ConnectionManager) -> Fut,
         Fut: Future<Output = Result<T, RedisError>>,
     {
-        deadline(async { f(self.conn.clone()).await.map_err(unavailable) }).await
+        self.at_home(deadline(async {
+            f(self.conn.clone()).await.map_err(unavailable)
+        }))
+        .await
+    }
+
+    /// Polls `f` in the home runtime's context: whatever it spawns (a connection's driver, a
+    /// reconnection) runs there, and its timers and sockets register there.
+    async fn at_home<T>(&self, f: impl Future<Output = T>) -> T {
+        let mut f = std::pin::pin!(f);
+        std::future::poll_fn(|cx| {
+            let _home = self.home.enter();
+            f.as_mut().poll(cx)
+        })
+        .await
     }
 
     async fn get_json<T: DeserializeOwned>(&self, key: String) -> Result<Option<T>, StoreError> {
@@ -434,7 +456,7 @@ impl Store for RedisStore {
         on_change: OnTenantChange,
     ) -> Option<tokio::task::JoinHandle<()>> {
         let (client, addr) = (self.client.clone(), self.addr.clone());
-        Some(tokio::spawn(follow_changes(client, addr, on_change)))
+        Some(self.home.spawn(follow_changes(client, addr, on_change)))
     }
 
     async fn schema_version(&self) -> Result<u32, StoreError> {
@@ -462,21 +484,22 @@ impl Store for RedisStore {
             let script = Script::new(lua);
             // Each script re-checks the version itself, so concurrent migrators apply it once.
             let mut c = self.conn.clone();
-            let done: i64 = deadline(async {
-                let mut inv = script.prepare_invoke();
-                inv.key(SCHEMA_KEY).key(MIGRATIONS_KEY).arg(n);
-                inv.invoke_async(&mut c).await.map_err(|e| {
-                    if e.code() == Some(MIGRATION_ERROR) {
-                        StoreError::Schema(format!(
-                            "migration {n:04}: {}",
-                            e.detail().unwrap_or("")
-                        ))
-                    } else {
-                        unavailable(e)
-                    }
-                })
-            })
-            .await?;
+            let done: i64 = self
+                .at_home(deadline(async {
+                    let mut inv = script.prepare_invoke();
+                    inv.key(SCHEMA_KEY).key(MIGRATIONS_KEY).arg(n);
+                    inv.invoke_async(&mut c).await.map_err(|e| {
+                        if e.code() == Some(MIGRATION_ERROR) {
+                            StoreError::Schema(format!(
+                                "migration {n:04}: {}",
+                                e.detail().unwrap_or("")
+                            ))
+                        } else {
+                            unavailable(e)
+                        }
+                    })
+                }))
+                .await?;
             if done == 1 {
                 applied.push(n);
             }
