@@ -286,7 +286,9 @@ fn limit_arg<T: Into<i64>>(limit: Option<T>) -> i64 {
 
 impl RedisStore {
     /// Connects to `url` (`redis://[:password@]host:port[/db]`), failing within about a
-    /// second when Redis is unreachable.
+    /// second when Redis is unreachable. The runtime this runs on becomes the store's home (see
+    /// the module documentation): it must keep running while the store is used, as a
+    /// multi-thread runtime does, or be the runtime every call is made on.
     pub async fn connect(url: &str) -> Result<RedisStore, StoreError> {
         let client = redis::Client::open(url)
             .map_err(|e| StoreError::Unavailable(format!("bad redis url: {e}")))?;
