@@ -139,13 +139,15 @@ pub async fn serve_gateway(
     shutdown_signal().await;
     tracing::info!("shutting down: finishing requests in flight");
     let _ = stop_tx.send(true);
-    tokio::task::spawn_blocking(move || api.join()).await??;
-    admin_task.await??;
+    let api = tokio::task::spawn_blocking(move || api.join()).await;
+    let admin = admin_task.await;
     // The last answers' rate-limit releases and usage records reach the store before the
-    // process goes.
+    // process goes, whatever became of the listeners.
     gw.settle_releases(std::time::Duration::from_secs(5)).await;
     gw.settle_ledger(std::time::Duration::from_secs(5)).await;
     gw.stop_following();
+    api??;
+    admin??;
     Ok(())
 }
 

@@ -109,12 +109,14 @@ struct Prepared {
 const INLINE_PREPARE_BYTES: usize = 64 << 10;
 
 /// Large requests being prepared at once (the rest wait their turn, asynchronously).
-fn heavy_permits() -> &'static Semaphore {
-    static PERMITS: std::sync::OnceLock<Semaphore> = std::sync::OnceLock::new();
-    PERMITS.get_or_init(|| {
-        let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
-        Semaphore::new((cpus / 2).max(1))
-    })
+fn heavy_permits() -> Arc<Semaphore> {
+    static PERMITS: std::sync::OnceLock<Arc<Semaphore>> = std::sync::OnceLock::new();
+    PERMITS
+        .get_or_init(|| {
+            let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+            Arc::new(Semaphore::new((cpus / 2).max(1)))
+        })
+        .clone()
 }
 
 async fn generate(gw: Arc<Gateway>, req: Request<Incoming>, kind: Kind) -> Response<RespBody> {
@@ -202,14 +204,20 @@ async fn prepare_bounded(
     if body.len() <= INLINE_PREPARE_BYTES {
         return prepare(gw, p, kind, &body);
     }
-    let _permit = heavy_permits()
-        .acquire()
+    // Owned by the blocking job, which runs to its end even when the request is dropped (its
+    // client gone, its deadline passed): a client that sends large bodies and leaves holds the
+    // permit until the work it started is done.
+    let permit = heavy_permits()
+        .acquire_owned()
         .await
         .map_err(|_| ApiError::unavailable("The gateway is shutting down."))?;
     let (gw, p) = (gw.clone(), p.clone());
-    tokio::task::spawn_blocking(move || prepare(&gw, &p, kind, &body))
-        .await
-        .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))?
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        prepare(&gw, &p, kind, &body)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))?
 }
 
 /// Validates with the engine's rules and, where needed, rewrites the body for the engine.
@@ -594,6 +602,7 @@ impl Upstream<'_> {
             engine_token: self.gw.engine_token.clone(),
             stream: prepared.stream,
             client_wants_usage: prepared.wants_usage,
+            stream_idle: Duration::from_secs(self.gw.config.first_byte_timeout_secs),
         }
     }
 }

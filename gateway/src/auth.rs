@@ -59,6 +59,9 @@ pub struct Auth {
     pepper: Vec<u8>,
     ttl: Duration,
     cache: Mutex<HashMap<KeyHash, Cached>>,
+    /// The runtime that records keys' last use: the one `new` ran on (the gateway's own, which
+    /// outlives the API threads), if any.
+    background: Option<tokio::runtime::Handle>,
 }
 
 impl Auth {
@@ -68,6 +71,7 @@ impl Auth {
             pepper: pepper.as_bytes().to_vec(),
             ttl,
             cache: Mutex::new(HashMap::new()),
+            background: tokio::runtime::Handle::try_current().ok(),
         }
     }
 
@@ -140,7 +144,7 @@ impl Auth {
             c.touched = Some(now);
         }
         let (store, id) = (self.store.clone(), principal.key_id.clone());
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        if let Some(rt) = &self.background {
             rt.spawn(async move {
                 if let Err(e) = store.touch_key(&id, unix_now()).await {
                     tracing::debug!(error = %e, "could not record a key's last use");

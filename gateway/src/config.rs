@@ -18,6 +18,7 @@
 //! context_tokens = 8192              # the model's context (default: the model's config.json)
 //! request_timeout_secs = 600         # until the response starts (streams may run longer)
 //! first_byte_timeout_secs = 120      # one engine's first byte; past it, the next engine is tried
+//!                                    # (and the longest silence mid-stream: past it, the stream ends)
 //! header_timeout_secs = 30           # a client's request head, and its idle keep-alive time
 //! max_connections = 4096             # client connections held at once
 //! api_threads = 0                    # threads serving the tenants' API; 0: one per CPU
@@ -79,7 +80,8 @@ pub struct GatewayConfig {
     #[serde(default = "default_timeout")]
     pub request_timeout_secs: u64,
     /// One engine's time to its first byte; a hung engine is then tried no more and counted
-    /// against its circuit, and the request goes to the next engine within the deadline.
+    /// against its circuit, and the request goes to the next engine within the deadline. Also
+    /// the longest an engine may go silent mid-stream: the stream then ends as broken.
     #[serde(default = "default_first_byte_timeout")]
     pub first_byte_timeout_secs: u64,
     /// A client's time to send a request head, and the idle time of a kept-alive connection.

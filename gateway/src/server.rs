@@ -18,13 +18,19 @@ pub struct ApiThreads {
 }
 
 impl ApiThreads {
-    /// Waits for every thread to finish serving (after the shutdown signal).
+    /// Waits for every thread to finish serving (after the shutdown signal): all of them, even
+    /// after one has failed, so none is cut off mid-answer. The first failure is returned.
     pub fn join(self) -> std::io::Result<()> {
+        let mut first = Ok(());
         for t in self.threads {
-            t.join()
-                .map_err(|_| std::io::Error::other("an API thread panicked"))??;
+            let served = t
+                .join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("an API thread panicked")));
+            if first.is_ok() {
+                first = served;
+            }
         }
-        Ok(())
+        first
     }
 }
 

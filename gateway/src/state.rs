@@ -234,6 +234,15 @@ impl Gateway {
         {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
+        let left = self
+            .pending_releases
+            .load(std::sync::atomic::Ordering::SeqCst);
+        if left > 0 {
+            tracing::warn!(
+                releases = left,
+                "rate-limit releases not done before the stop; their leases will lapse"
+            );
+        }
     }
 
     /// Notes how much of a budget is used (`budget`: `tenant` or `key:{id}`) and announces,
@@ -267,6 +276,14 @@ impl Gateway {
         let deadline = tokio::time::Instant::now() + limit;
         while self.ledger.pending() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let left = self.ledger.pending();
+        if left > 0 {
+            tracing::error!(
+                records = left,
+                secs = limit.as_secs_f64(),
+                "usage records not written before the stop; they are lost"
+            );
         }
     }
 

@@ -350,6 +350,16 @@ pub struct HungEngine {
 
 impl HungEngine {
     pub fn start() -> HungEngine {
+        HungEngine::serve(false)
+    }
+
+    /// One that starts a streamed answer (headers and a first event) and then goes silent
+    /// without closing: what a gateway sees of an engine whose host vanished mid-stream.
+    pub fn mid_stream() -> HungEngine {
+        HungEngine::serve(true)
+    }
+
+    fn serve(first_event: bool) -> HungEngine {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind hung engine");
         let addr = listener.local_addr().expect("addr");
         let requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -358,14 +368,14 @@ impl HungEngine {
             for conn in listener.incoming() {
                 let Ok(conn) = conn else { break };
                 let count = count.clone();
-                std::thread::spawn(move || hung_conn(conn, &count));
+                std::thread::spawn(move || hung_conn(conn, &count, first_event));
             }
         });
         HungEngine { addr, requests }
     }
 }
 
-fn hung_conn(conn: TcpStream, count: &std::sync::atomic::AtomicUsize) {
+fn hung_conn(conn: TcpStream, count: &std::sync::atomic::AtomicUsize, first_event: bool) {
     use std::io::BufRead;
     let mut w = conn.try_clone().expect("clone");
     let mut r = std::io::BufReader::new(conn);
@@ -412,7 +422,18 @@ fn hung_conn(conn: TcpStream, count: &std::sync::atomic::AtomicUsize) {
                 if path.starts_with("/v1/") {
                     count.fetch_add(1, Ordering::SeqCst);
                 }
-                // Never answers: hold the connection until the peer leaves.
+                if first_event {
+                    let event = r#"data: {"id":"chatcmpl-0","object":"chat.completion.chunk","created":0,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"},"finish_reason":null}]}"#;
+                    let event = format!("{event}\n\n");
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{event}\r\n",
+                        event.len()
+                    );
+                    if w.write_all(head.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+                // Never answers (or never goes on): hold the connection until the peer leaves.
                 let mut sink = [0u8; 1024];
                 while r.read(&mut sink).unwrap_or(0) > 0 {}
                 return;

@@ -290,12 +290,15 @@ fn a_refused_release_is_retried() {
     redis.cmd(&["ACL", "SETUSER", "default", "-evalsha", "-eval"]);
     let answer = read_until(&mut s, "\r\n\r\n");
     assert_eq!(status_of(&answer), 200, "{answer}");
-    // The first try was refused: the lease is still there.
+    // The first try was refused: the lease is still there. The store refuses for a while
+    // longer (three seconds, as a restart that loads its data takes).
     assert_eq!(
         redis.cmd(&["ZCARD", conc]),
         Reply::Int(1),
         "released though refused?"
     );
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(redis.cmd(&["ZCARD", conc]), Reply::Int(1));
     redis.cmd(&["ACL", "SETUSER", "default", "+evalsha", "+eval"]);
     let deadline = Instant::now() + Duration::from_secs(5);
     while redis.cmd(&["ZCARD", conc]) != Reply::Int(0) {
@@ -303,6 +306,41 @@ fn a_refused_release_is_retried() {
         std::thread::sleep(Duration::from_millis(20));
     }
     wait_admitted(&gw, &key, &[]);
+}
+
+/// An engine that goes silent mid-stream without closing (its host gone, no FIN) is given up
+/// after `first_byte_timeout_secs` of silence: the client gets an error event and `[DONE]`, and
+/// the lease and the engine's load come back. The stream used to wait for good.
+#[test]
+fn a_stream_whose_engine_goes_silent_ends_and_releases_everything() {
+    let _serial = serial();
+    let silent = HungEngine::mid_stream();
+    let mut cfg = config(&[("silent", silent.addr)]);
+    cfg.first_byte_timeout_secs = 1;
+    let gw = TestGateway::start(cfg, StoreKind::Memory);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while engine_view(&gw, "silent")["routable"] != true {
+        assert!(Instant::now() < deadline, "engine not routable");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let key = gw.tenant("t", json!({"max_concurrent": 1}));
+    let body = chat_body(None, "Hi", r#","max_tokens":8,"stream":true"#);
+    for _ in 0..2 {
+        // The second is admitted only if the first one's lease came back.
+        let started = Instant::now();
+        let mut s = send(&gw, &key, &body, "");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let got = read_until(&mut s, "data: [DONE]");
+        assert_eq!(status_of(&got), 200, "{got}");
+        assert!(got.contains("\"content\":\"Hi\""), "{got}");
+        assert!(got.contains("failed mid-stream"), "{got}");
+        assert!(
+            got.contains("data: [DONE]"),
+            "no end after {:?}: {got}",
+            started.elapsed()
+        );
+        wait_idle(&gw, "silent");
+    }
 }
 
 #[test]

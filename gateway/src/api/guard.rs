@@ -24,16 +24,17 @@ use std::time::{Duration, Instant};
 pub const LEASE: Duration = Duration::from_secs(60);
 /// How often a live request renews its lease.
 const RENEW_EVERY: Duration = Duration::from_secs(20);
-/// The pauses before a failed release is tried again; after the last, the lease is left to
-/// lapse. A release cut off by a reconnection or a moment's outage of the store goes through
-/// on a later try instead of holding the tenant's slot for a whole [`LEASE`]. A try whose
-/// answer was lost may have charged its tokens already, so a retry can charge them twice: it
-/// errs toward charging, never toward a free request.
-const RELEASE_RETRIES: [Duration; 3] = [
-    Duration::from_millis(100),
-    Duration::from_millis(300),
-    Duration::from_millis(900),
-];
+/// How soon a failed renewal is tried again (instead of at the next [`RENEW_EVERY`]): a lease
+/// survives two missed renewals only if the third comes well before it lapses.
+const RENEW_RETRY: Duration = Duration::from_secs(2);
+/// The first pause before a failed release is tried again; each pause doubles, up to
+/// [`RELEASE_RETRY_MAX`], until the lease would have lapsed anyway ([`LEASE`]). A release cut
+/// off by a reconnection or an outage of the store goes through once the store is back instead
+/// of holding the tenant's slot for the rest of the lease. A try whose answer was lost may have
+/// charged its tokens already, so a retry can charge them twice: it errs toward charging, never
+/// toward a free request.
+const RELEASE_RETRY_FIRST: Duration = Duration::from_millis(100);
+const RELEASE_RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// The status recorded for a request whose client left before it was answered (as nginx does).
 pub const CLIENT_CLOSED: u16 = 499;
@@ -73,15 +74,16 @@ impl Lease {
         let renewer = counted.then(|| {
             let (gw, buckets, id) = (gw.clone(), buckets.clone(), id.clone());
             tokio::spawn(async move {
-                let mut tick = tokio::time::interval(RENEW_EVERY);
-                tick.tick().await;
+                let mut wait = RENEW_EVERY;
                 loop {
-                    tick.tick().await;
+                    tokio::time::sleep(wait).await;
+                    wait = RENEW_EVERY;
                     let ms = LEASE.as_millis() as u64;
                     for (bucket, _) in buckets.iter().filter(|(_, l)| l.max_concurrent.is_some()) {
                         if let Err(e) = gw.store.renew(bucket, &id, ms).await {
                             gw.metrics.store_errors.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!(error = %e, "lease renewal failed");
+                            wait = RENEW_RETRY;
                         }
                     }
                 }
@@ -150,19 +152,21 @@ impl Lease {
                 }
             }
             let _ = tried.send(());
-            let mut pauses = RELEASE_RETRIES.iter();
+            let lapses = tokio::time::Instant::now() + LEASE;
+            let mut pause = RELEASE_RETRY_FIRST;
             while !failed.is_empty() {
                 gw.metrics
                     .store_errors
                     .fetch_add(failed.len() as u64, Ordering::Relaxed);
-                let Some(pause) = pauses.next() else {
+                if tokio::time::Instant::now() + pause > lapses {
                     tracing::warn!(
                         buckets = failed.len(),
-                        "rate-limit release failed; the lease will lapse"
+                        "rate-limit release failed until its lease lapsed"
                     );
                     break;
-                };
-                tokio::time::sleep(*pause).await;
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(RELEASE_RETRY_MAX);
                 let mut still = Vec::new();
                 for i in failed {
                     if release(i).await.is_err() {

@@ -35,6 +35,8 @@ pub fn http_client() -> HttpClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(Duration::from_secs(2)));
+    // An engine whose host vanishes sends no FIN: keepalive probes find the dead connection.
+    connector.set_keepalive(Some(Duration::from_secs(30)));
     Client::builder(hyper_util::rt::TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(30))
         .pool_max_idle_per_host(256)

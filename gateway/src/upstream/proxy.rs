@@ -38,6 +38,10 @@ pub struct Forward {
     pub stream: bool,
     /// The client asked for the final usage chunk (`stream_options.include_usage`).
     pub client_wants_usage: bool,
+    /// The longest silence of a streaming engine after its first event: past it the stream is
+    /// ended as broken (an engine whose host vanished sends no FIN, and its stream would hold
+    /// the request's lease and the engine's load for good).
+    pub stream_idle: Duration,
 }
 
 /// How an attempt on one engine went.
@@ -143,7 +147,7 @@ async fn attempt_inner(client: &HttpClient, engine: &Engine, fwd: &Forward) -> O
     let (parts, body) = resp.into_parts();
     let headers = relay_headers(&parts.headers);
     if is_sse {
-        let mut relay = SseRelay::new(body, fwd.client_wants_usage);
+        let mut relay = SseRelay::new(body, fwd.client_wants_usage, fwd.stream_idle);
         // The first event: until it arrives, the request can still go elsewhere.
         match relay.prime().await {
             Ok(()) => Outcome::Stream {
@@ -318,6 +322,11 @@ pub type OnEnd = Box<dyn FnOnce(Served, StreamEnd) + Send + Sync>;
 /// Relays an engine's SSE stream event by event.
 pub struct SseRelay {
     inner: Incoming,
+    /// Wakes the relay to check for an engine gone silent ([`Forward::stream_idle`]).
+    idle: Pin<Box<tokio::time::Sleep>>,
+    idle_limit: Duration,
+    /// When the engine last sent anything.
+    heard: tokio::time::Instant,
     /// The stream's events so far: what was served, whether it ended.
     events: SseEvents,
     /// Complete events ready to go out.
@@ -340,9 +349,13 @@ impl std::fmt::Debug for SseRelay {
 pub const MAX_EVENT_BYTES: usize = 1 << 20;
 
 impl SseRelay {
-    fn new(inner: Incoming, wants_usage: bool) -> Self {
+    fn new(inner: Incoming, wants_usage: bool, idle_limit: Duration) -> Self {
+        let heard = tokio::time::Instant::now();
         SseRelay {
             inner,
+            idle: Box::pin(tokio::time::sleep_until(heard + idle_limit)),
+            idle_limit,
+            heard,
             events: SseEvents::new(wants_usage),
             ready: None,
             done: false,
@@ -557,8 +570,21 @@ impl Body for SseRelay {
                 return Poll::Ready(None);
             }
             match Pin::new(&mut self.inner).poll_frame(cx) {
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => {
+                    // The timer is moved only when it fires, not on every frame.
+                    if std::future::Future::poll(self.idle.as_mut(), cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    let due = self.heard + self.idle_limit;
+                    if tokio::time::Instant::now() < due {
+                        self.idle.as_mut().reset(due);
+                        continue;
+                    }
+                    let why = format!("no data for {} s", self.idle_limit.as_secs());
+                    self.close(&why);
+                }
                 Poll::Ready(Some(Ok(frame))) => {
+                    self.heard = tokio::time::Instant::now();
                     if let Ok(data) = frame.into_data() {
                         self.take(&data);
                     }
