@@ -64,6 +64,20 @@ fn engine_view(gw: &TestGateway, name: &str) -> Value {
         .unwrap_or(Value::Null)
 }
 
+/// A gateway with `cfg`, once it routes to every one of `engines`.
+fn routable(cfg: kvgate_gateway::GatewayConfig, engines: &[&str]) -> TestGateway {
+    let gw = TestGateway::start(cfg, StoreKind::Memory);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while engines
+        .iter()
+        .any(|e| engine_view(&gw, e)["routable"] != true)
+    {
+        assert!(Instant::now() < deadline, "engines not routable");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    gw
+}
+
 /// Waits until the gateway counts nothing in flight on `engine`.
 fn wait_idle(gw: &TestGateway, engine: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -317,12 +331,7 @@ fn a_stream_whose_engine_goes_silent_ends_and_releases_everything() {
     let silent = HungEngine::mid_stream();
     let mut cfg = config(&[("silent", silent.addr)]);
     cfg.first_byte_timeout_secs = 1;
-    let gw = TestGateway::start(cfg, StoreKind::Memory);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while engine_view(&gw, "silent")["routable"] != true {
-        assert!(Instant::now() < deadline, "engine not routable");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let gw = routable(cfg, &["silent"]);
     let key = gw.tenant("t", json!({"max_concurrent": 1}));
     let body = chat_body(None, "Hi", r#","max_tokens":8,"stream":true"#);
     for _ in 0..2 {
@@ -350,12 +359,7 @@ fn a_request_timeout_releases_everything() {
     let hung = HungEngine::start();
     let mut cfg = config(&[("hung", hung.addr)]);
     cfg.request_timeout_secs = 1;
-    let gw = TestGateway::start(cfg, StoreKind::Memory);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while engine_view(&gw, "hung")["routable"] != true {
-        assert!(Instant::now() < deadline, "engine not routable");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let gw = routable(cfg, &["hung"]);
     let key = gw.tenant("t", json!({"max_concurrent": 1}));
     for _ in 0..4 {
         // Each is admitted (the last one's lease came back), then times out: never a 429.
@@ -377,14 +381,7 @@ fn a_hung_engine_is_given_up_and_the_request_served_elsewhere() {
     // Long enough for the real engine's first answer on a loaded machine.
     cfg.first_byte_timeout_secs = 5;
     cfg.request_timeout_secs = 30;
-    let gw = TestGateway::start(cfg, StoreKind::Memory);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while engine_view(&gw, "hung")["routable"] != true
-        || engine_view(&gw, "real")["routable"] != true
-    {
-        assert!(Instant::now() < deadline, "engines not routable");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let gw = routable(cfg, &["hung", "real"]);
     let key = gw.tenant("t", json!({}));
     for i in 0..8 {
         let system = format!("You are assistant number {i} of the lighthouse keepers.");
