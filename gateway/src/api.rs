@@ -100,6 +100,8 @@ struct Prepared {
     hashes: PromptHashes,
     /// Most tokens the answer may have (`max_tokens`, else the context's room).
     max_tokens: u32,
+    /// Answers asked for (`n`).
+    samples: u32,
     stream: bool,
     wants_usage: bool,
 }
@@ -263,6 +265,7 @@ struct Checked {
     wants_usage: bool,
     hashes: PromptHashes,
     max_tokens: u32,
+    samples: u32,
 }
 
 impl Checked {
@@ -271,6 +274,7 @@ impl Checked {
             body,
             hashes: self.hashes,
             max_tokens: self.max_tokens,
+            samples: self.samples,
             stream: self.stream,
             wants_usage: self.wants_usage,
         }
@@ -329,6 +333,7 @@ fn checked(
         wants_usage,
         hashes,
         max_tokens,
+        samples: params.n.max(1),
     })
 }
 
@@ -679,7 +684,18 @@ async fn forward(
             .prompt_tokens
             .saturating_sub(choice.matched_blocks as usize * block) as u64;
         let mut load = EngineLoad::enter(&engine, prefill);
-        let budget = per_attempt.min(left);
+        // A whole answer's first byte is its end: the engine gets the time the answer asked
+        // for on top, so a long answer is neither a hang nor retried elsewhere.
+        let allowed = if prepared.stream {
+            per_attempt
+        } else {
+            per_attempt.saturating_add(whole_answer_time(
+                &engine.report().0,
+                &prepared,
+                &gw.router.config(),
+            ))
+        };
+        let budget = allowed.min(left);
         // Another engine holds more of the prefix (the chosen one is less busy, or that one is
         // draining): the chosen engine is told where to fetch it from.
         let peer = gw
@@ -792,9 +808,26 @@ async fn forward(
                 }
                 last_error = Some(why);
             }
+            proxy::Outcome::TooLarge => {
+                engine.record_success();
+                // Charged as if every answer ran to its end: it ran far enough to pass the cap.
+                if let Some(l) = lease.as_mut() {
+                    l.charge(u64::from(prepared.max_tokens) * u64::from(prepared.samples));
+                }
+                if let Some(l) = lease.take() {
+                    l.release().await;
+                }
+                return Err(ApiError::invalid_value(
+                    "stream",
+                    format!(
+                        "the answer is larger than the {} MiB relayed whole: stream it (\"stream\": true) or ask for fewer tokens",
+                        proxy::MAX_WHOLE >> 20
+                    ),
+                ));
+            }
             proxy::Outcome::TimedOut => {
                 // A hang counts against the engine only when it had its whole time.
-                if budget == per_attempt {
+                if budget == allowed {
                     engine.record_failure(now_ms());
                 }
                 tracing::warn!(engine = %engine.name, secs = budget.as_secs_f64(), "no first byte in time; retrying elsewhere");
@@ -816,6 +849,23 @@ async fn forward(
         return Err(ApiError::timeout());
     }
     Err(ApiError::no_healthy_engine())
+}
+
+/// How long a whole (not streamed) answer may take beyond the first-byte time: the prompt's
+/// prefill and `max_tokens` steps with its `n` sequences in the engine's batch, at twice the
+/// engine's measured rates (the configured prefill rate until it has measured them).
+fn whole_answer_time(
+    report: &kvgate_protocol::load::LoadReport,
+    prepared: &Prepared,
+    routing: &crate::routing::RouterConfig,
+) -> Duration {
+    let per_token = report.secs_per_token(routing.prior_secs_per_token);
+    let batch = f64::from(report.running.saturating_add(prepared.samples));
+    let step = report.step_secs.max(0.0) + per_token * batch;
+    let secs = 2.0
+        * (prepared.hashes.prompt_tokens as f64 * per_token
+            + f64::from(prepared.max_tokens) * step);
+    Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX)
 }
 
 /// What a streamed answer holds until it ends.
@@ -851,6 +901,7 @@ impl Held {
                 StreamEnd::Clean => "clean",
                 StreamEnd::Broken => "broken",
                 StreamEnd::ClientGone => "client_gone",
+                StreamEnd::Oversized => "oversized",
             };
             s.set(Attr::new("kvgate.stream_end", how));
             if end == StreamEnd::Broken {

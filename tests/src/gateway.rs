@@ -350,16 +350,27 @@ pub struct HungEngine {
 
 impl HungEngine {
     pub fn start() -> HungEngine {
-        HungEngine::serve(false)
+        HungEngine::serve(Answer::Never)
     }
 
     /// One that starts a streamed answer (headers and a first event) and then goes silent
     /// without closing: what a gateway sees of an engine whose host vanished mid-stream.
     pub fn mid_stream() -> HungEngine {
-        HungEngine::serve(true)
+        HungEngine::serve(Answer::FirstEvent)
     }
 
-    fn serve(first_event: bool) -> HungEngine {
+    /// One that starts a streamed answer, then sends an event that never ends (2 MiB without
+    /// its blank line) and goes silent.
+    pub fn huge_event() -> HungEngine {
+        HungEngine::serve(Answer::HugeEvent)
+    }
+
+    /// One that answers every generation request at once with a whole answer of 65 MiB.
+    pub fn oversized() -> HungEngine {
+        HungEngine::serve(Answer::Oversized)
+    }
+
+    fn serve(answer: Answer) -> HungEngine {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind hung engine");
         let addr = listener.local_addr().expect("addr");
         let requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -368,14 +379,23 @@ impl HungEngine {
             for conn in listener.incoming() {
                 let Ok(conn) = conn else { break };
                 let count = count.clone();
-                std::thread::spawn(move || hung_conn(conn, &count, first_event));
+                std::thread::spawn(move || hung_conn(conn, &count, answer));
             }
         });
         HungEngine { addr, requests }
     }
 }
 
-fn hung_conn(conn: TcpStream, count: &std::sync::atomic::AtomicUsize, first_event: bool) {
+/// What a [`HungEngine`] does with a generation request.
+#[derive(Debug, Clone, Copy)]
+enum Answer {
+    Never,
+    FirstEvent,
+    HugeEvent,
+    Oversized,
+}
+
+fn hung_conn(conn: TcpStream, count: &std::sync::atomic::AtomicUsize, generation: Answer) {
     use std::io::BufRead;
     let mut w = conn.try_clone().expect("clone");
     let mut r = std::io::BufReader::new(conn);
@@ -422,7 +442,21 @@ fn hung_conn(conn: TcpStream, count: &std::sync::atomic::AtomicUsize, first_even
                 if path.starts_with("/v1/") {
                     count.fetch_add(1, Ordering::SeqCst);
                 }
-                if first_event {
+                if matches!(generation, Answer::Oversized) {
+                    let size = 65 << 20;
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {size}\r\n\r\n"
+                    );
+                    let chunk = vec![b' '; 1 << 20];
+                    let _ = w.write_all(head.as_bytes());
+                    for _ in 0..65 {
+                        if w.write_all(&chunk).is_err() {
+                            return;
+                        }
+                    }
+                    continue;
+                }
+                if matches!(generation, Answer::FirstEvent | Answer::HugeEvent) {
                     let event = r#"data: {"id":"chatcmpl-0","object":"chat.completion.chunk","created":0,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"},"finish_reason":null}]}"#;
                     let event = format!("{event}\n\n");
                     let head = format!(
@@ -430,6 +464,13 @@ fn hung_conn(conn: TcpStream, count: &std::sync::atomic::AtomicUsize, first_even
                         event.len()
                     );
                     if w.write_all(head.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+                if matches!(generation, Answer::HugeEvent) {
+                    let part = format!("data: {}", "x".repeat(2 << 20));
+                    let chunk = format!("{:x}\r\n{part}\r\n", part.len());
+                    if w.write_all(chunk.as_bytes()).is_err() {
                         return;
                     }
                 }

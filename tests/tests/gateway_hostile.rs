@@ -78,6 +78,15 @@ fn routable(cfg: kvgate_gateway::GatewayConfig, engines: &[&str]) -> TestGateway
     gw
 }
 
+/// A streamed request's answer, read to its `[DONE]` (or 20 s), after a 200.
+fn streamed(gw: &TestGateway, key: &str, body: &str) -> String {
+    let mut s = send(gw, key, body, "");
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let got = read_until(&mut s, "data: [DONE]");
+    assert_eq!(status_of(&got), 200, "{got}");
+    got
+}
+
 /// Waits until the gateway counts nothing in flight on `engine`.
 fn wait_idle(gw: &TestGateway, engine: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -337,10 +346,7 @@ fn a_stream_whose_engine_goes_silent_ends_and_releases_everything() {
     for _ in 0..2 {
         // The second is admitted only if the first one's lease came back.
         let started = Instant::now();
-        let mut s = send(&gw, &key, &body, "");
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let got = read_until(&mut s, "data: [DONE]");
-        assert_eq!(status_of(&got), 200, "{got}");
+        let got = streamed(&gw, &key, &body);
         assert!(got.contains("\"content\":\"Hi\""), "{got}");
         assert!(got.contains("failed mid-stream"), "{got}");
         assert!(
@@ -350,6 +356,84 @@ fn a_stream_whose_engine_goes_silent_ends_and_releases_everything() {
         );
         wait_idle(&gw, "silent");
     }
+}
+
+/// A whole (not streamed) answer takes as long as it asked for: past `first_byte_timeout_secs`,
+/// a long one is neither taken for a hang, counted against its engine, nor retried elsewhere.
+/// (It used to be all three, so that one tenant's long answers opened an engine's circuit for
+/// everyone.)
+#[test]
+fn a_long_whole_answer_is_not_a_hang() {
+    let _serial = serial();
+    let e = gated_engine("blocks = 1024");
+    let mut cfg = config(&[("e", e.addr)]);
+    cfg.first_byte_timeout_secs = 1;
+    let gw = TestGateway::start(cfg, StoreKind::Memory);
+    gw.wait_ready(1);
+    let key = gw.tenant("t", json!({}));
+    // Short answers first, so that the engine has measured its steps.
+    for _ in 0..3 {
+        let r = gw.chat(&key, None, "Hi", r#","max_tokens":4"#);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    // And the gateway has read them (its health checks run once a second).
+    std::thread::sleep(Duration::from_millis(1500));
+    for _ in 0..2 {
+        let t = Instant::now();
+        let r = gw.chat(
+            &key,
+            None,
+            "Count to a thousand.",
+            r#","max_tokens":256,"ignore_eos":true"#,
+        );
+        assert_eq!(r.status, 200, "after {:?}: {}", t.elapsed(), r.body);
+        assert_eq!(r.json()["usage"]["completion_tokens"], 256);
+        assert!(t.elapsed() > Duration::from_secs(1), "too quick to test");
+    }
+    assert_eq!(engine_view(&gw, "e")["circuit_open"], false);
+}
+
+/// A whole answer too large to relay is the request's own 400, charged as the whole answer it
+/// asked for; never a fault of the engine's, and never retried elsewhere.
+#[test]
+fn an_oversized_whole_answer_is_the_requests_own_error() {
+    let _serial = serial();
+    let big = HungEngine::oversized();
+    let mut cfg = config(&[("big", big.addr)]);
+    cfg.first_byte_timeout_secs = 20;
+    let gw = routable(cfg, &["big"]);
+    let key = gw.tenant("t", json!({}));
+    for _ in 0..4 {
+        let r = gw.chat(&key, None, "Hi", r#","max_tokens":8"#);
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(r.json()["error"]["param"], "stream", "{}", r.body);
+    }
+    assert_eq!(
+        big.requests.load(std::sync::atomic::Ordering::SeqCst),
+        4,
+        "retried"
+    );
+    assert_eq!(engine_view(&gw, "big")["circuit_open"], false);
+    wait_idle(&gw, "big");
+}
+
+/// An event past the relay's 1 MiB (what an engine sends a slow reader of a large answer at
+/// once) ends the stream with the request's own error, and never counts against the engine:
+/// four in a row leave its circuit closed (three engine faults open it).
+#[test]
+fn an_oversized_event_is_the_requests_own_error() {
+    let _serial = serial();
+    let big = HungEngine::huge_event();
+    let gw = routable(config(&[("big", big.addr)]), &["big"]);
+    let key = gw.tenant("t", json!({}));
+    let body = chat_body(None, "Hi", r#","max_tokens":8,"stream":true"#);
+    for _ in 0..4 {
+        let got = streamed(&gw, &key, &body);
+        assert!(got.contains("grew past 1 MiB"), "{got}");
+        assert!(got.contains("data: [DONE]"), "{got}");
+        wait_idle(&gw, "big");
+    }
+    assert_eq!(engine_view(&gw, "big")["circuit_open"], false);
 }
 
 #[test]

@@ -65,6 +65,9 @@ pub enum Outcome {
     Retry { why: String, failure: bool },
     /// No first byte within the attempt's time.
     TimedOut,
+    /// A whole answer longer than [`MAX_WHOLE`]: the request asked for more than is relayed
+    /// whole; no fault of the engine's, and no other engine would do better.
+    TooLarge,
 }
 
 pub use kvgate_http::FAULT_HEADER;
@@ -85,7 +88,7 @@ impl Usage {
 }
 
 /// Largest whole answer relayed.
-const MAX_WHOLE: usize = 64 << 20;
+pub const MAX_WHOLE: usize = 64 << 20;
 
 /// Sends `fwd` to `engine` and waits for the start of its answer (bounded by `first_byte`).
 pub async fn attempt(
@@ -169,6 +172,7 @@ async fn attempt_inner(client: &HttpClient, engine: &Engine, fwd: &Forward) -> O
                     usage,
                 }
             }
+            Err(e) if e.is::<http_body_util::LengthLimitError>() => Outcome::TooLarge,
             Err(e) => Outcome::Retry {
                 why: format!("answer broken: {e}"),
                 failure: true,
@@ -282,6 +286,10 @@ pub enum StreamEnd {
     Broken,
     /// The client went away first.
     ClientGone,
+    /// An event grew past [`MAX_EVENT_BYTES`]. An engine merges what a slow client has not read
+    /// yet into its next event, so a request that streams much per token (logprobs, several
+    /// answers) to a slow reader gets there: the request's doing, not the engine's fault.
+    Oversized,
 }
 
 /// What a stream served, as far as the gateway saw it. Two are equal when they served the same
@@ -405,10 +413,20 @@ impl SseRelay {
     /// settle. An engine that already sent its own error event gets `[DONE]` added if it left it
     /// out, and no second error; otherwise an early end is the engine's fault.
     fn close(&mut self, why: &str) {
+        self.end_early(why, StreamEnd::Broken);
+    }
+
+    /// Ends the stream at an event past [`MAX_EVENT_BYTES`] (see [`StreamEnd::Oversized`]).
+    fn cut_oversized(&mut self) {
+        self.events.clear_buffer();
+        self.end_early("oversized event", StreamEnd::Oversized);
+    }
+
+    fn end_early(&mut self, why: &str, early: StreamEnd) {
         let end = if self.events.clean() || self.events.engine_error() {
             StreamEnd::Clean
         } else {
-            StreamEnd::Broken
+            early
         };
         let tail = if self.events.clean() {
             None
@@ -416,10 +434,22 @@ impl SseRelay {
             Some(Bytes::from_static(b"data: [DONE]\n\n"))
         } else {
             tracing::warn!(why, "engine stream ended early");
-            let err = ApiError::new(
-                ErrorCode::ServiceUnavailable,
-                "The engine serving this request failed mid-stream.",
-            );
+            let err = if early == StreamEnd::Oversized {
+                ApiError::new(
+                    ErrorCode::InvalidValue,
+                    format!(
+                        "An event of this answer grew past {} MiB: the engine sends what a slow \
+                         client has not read yet in one event. Read faster, or ask for less per \
+                         token (fewer logprobs, fewer answers).",
+                        MAX_EVENT_BYTES >> 20
+                    ),
+                )
+            } else {
+                ApiError::new(
+                    ErrorCode::ServiceUnavailable,
+                    "The engine serving this request failed mid-stream.",
+                )
+            };
             Some(Bytes::from(format!("{}data: [DONE]\n\n", err.to_sse())))
         };
         if let Some(tail) = tail {
@@ -596,12 +626,10 @@ impl Body for SseRelay {
                         }
                         // Whatever follows is dropped, so none of it is held either.
                         if self.events.buffered() > MAX_EVENT_BYTES {
-                            self.events.clear_buffer();
-                            self.close("oversized event after [DONE]");
+                            self.cut_oversized();
                         }
                     } else if self.events.buffered() > MAX_EVENT_BYTES {
-                        self.events.clear_buffer();
-                        self.close("oversized event");
+                        self.cut_oversized();
                     }
                 }
                 Poll::Ready(Some(Err(e))) => self.close(&e.to_string()),
