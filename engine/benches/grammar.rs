@@ -66,6 +66,12 @@ fn bench(c: &mut Criterion) {
             b.iter(|| black_box(compiler.compile_uncached(&grammar).unwrap()))
         });
     }
+    // A cache hit: the compiled matcher copied for the request.
+    let schema = person();
+    compiler.compile("bench", &schema).unwrap();
+    g.bench_function("person_schema_cached", |b| {
+        b.iter(|| black_box(compiler.compile("bench", &schema).unwrap()))
+    });
     g.finish();
     let doc = r#"{"name": "Ada Lovelace", "age": 36, "email": "ada@math.com", "tags": ["math", "poetry"], "address": {"city": "London", "zip": "12345"}}"#;
     let tokens = renderer.encode_continuation(doc).unwrap();

@@ -151,12 +151,16 @@ struct Cache {
 }
 
 impl Cache {
+    /// A copy of the cached matcher that shares nothing with it. A plain clone shares the
+    /// lexer, whose states grow with the text a request explores: the entry would keep every
+    /// request's growth (up to the lexer's state limit) and each later request would start from
+    /// it.
     fn get(&mut self, key: &(String, String)) -> Option<Matcher> {
         self.clock += 1;
         let clock = self.clock;
         self.entries.get_mut(key).map(|(m, used)| {
             *used = clock;
-            m.clone()
+            m.deep_clone()
         })
     }
 
@@ -265,7 +269,7 @@ impl GrammarCompiler {
             None => {
                 let started = Instant::now();
                 let m = self.compile_new(grammar)?;
-                self.lock().insert(key, m.clone());
+                self.lock().insert(key, m.deep_clone());
                 (m, Some(started.elapsed().as_secs_f64()))
             }
         };
