@@ -684,18 +684,15 @@ async fn forward(
             .prompt_tokens
             .saturating_sub(choice.matched_blocks as usize * block) as u64;
         let mut load = EngineLoad::enter(&engine, prefill);
-        // A whole answer's first byte is its end: the engine gets the time the answer asked
-        // for on top, so a long answer is neither a hang nor retried elsewhere.
-        let allowed = if prepared.stream {
-            per_attempt
+        // A stream's first event is due within the first-byte time. A whole answer's first
+        // byte is its end: it may take the request's whole time, and is given up as a hang
+        // only when the engine itself stops stepping ([`stalled`]), so a long answer is
+        // neither counted against the engine nor retried elsewhere.
+        let budget = if prepared.stream {
+            per_attempt.min(left)
         } else {
-            per_attempt.saturating_add(whole_answer_time(
-                &engine.report().0,
-                &prepared,
-                &gw.router.config(),
-            ))
+            left
         };
-        let budget = allowed.min(left);
         // Another engine holds more of the prefix (the chosen one is less busy, or that one is
         // draining): the chosen engine is told where to fetch it from.
         let peer = gw
@@ -724,8 +721,20 @@ async fn forward(
             with_extra = f;
             &with_extra
         };
-        let result =
-            proxy::attempt(&crate::upstream::local_client(), &engine, fwd_here, budget).await;
+        let client = crate::upstream::local_client();
+        let attempt = proxy::attempt(&client, &engine, fwd_here, budget);
+        let mut hung = false;
+        let result = if prepared.stream {
+            attempt.await
+        } else {
+            tokio::select! {
+                r = attempt => r,
+                () = stalled(&engine, per_attempt) => {
+                    hung = true;
+                    proxy::Outcome::TimedOut
+                }
+            }
+        };
         load.started();
         match result {
             proxy::Outcome::Whole {
@@ -810,9 +819,15 @@ async fn forward(
             }
             proxy::Outcome::TooLarge => {
                 engine.record_success();
-                // Charged as if every answer ran to its end: it ran far enough to pass the cap.
+                // Charged and billed as if every answer ran to its end: it ran far enough to
+                // pass the cap.
+                let generated = u64::from(prepared.max_tokens) * u64::from(prepared.samples);
                 if let Some(l) = lease.as_mut() {
-                    l.charge(u64::from(prepared.max_tokens) * u64::from(prepared.samples));
+                    l.charge(generated);
+                }
+                if let Some(b) = outcome.billed.as_mut() {
+                    b.engine = Some(engine.name.clone());
+                    b.completion_tokens = generated;
                 }
                 if let Some(l) = lease.take() {
                     l.release().await;
@@ -826,8 +841,9 @@ async fn forward(
                 ));
             }
             proxy::Outcome::TimedOut => {
-                // A hang counts against the engine only when it had its whole time.
-                if budget == allowed {
+                // A hang counts against the engine only when it had its whole time (a whole
+                // answer's time ran out with the request's: no fault of the engine's).
+                if hung || prepared.stream && budget == per_attempt {
                     engine.record_failure(now_ms());
                 }
                 tracing::warn!(engine = %engine.name, secs = budget.as_secs_f64(), "no first byte in time; retrying elsewhere");
@@ -851,21 +867,21 @@ async fn forward(
     Err(ApiError::no_healthy_engine())
 }
 
-/// How long a whole (not streamed) answer may take beyond the first-byte time: the prompt's
-/// prefill and `max_tokens` steps with its `n` sequences in the engine's batch, at twice the
-/// engine's measured rates (the configured prefill rate until it has measured them).
-fn whole_answer_time(
-    report: &kvgate_protocol::load::LoadReport,
-    prepared: &Prepared,
-    routing: &crate::routing::RouterConfig,
-) -> Duration {
-    let per_token = report.secs_per_token(routing.prior_secs_per_token);
-    let batch = f64::from(report.running.saturating_add(prepared.samples));
-    let step = report.step_secs.max(0.0) + per_token * batch;
-    let secs = 2.0
-        * (prepared.hashes.prompt_tokens as f64 * per_token
-            + f64::from(prepared.max_tokens) * step);
-    Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX)
+/// Resolves once `limit` has passed and the engine has not stepped for `limit`: the figures of
+/// its last report are older than that (the engine's thread has not finished a step since), or
+/// no report has come for that long beyond two health-check intervals, or it has none. That is
+/// a hang; a whole answer that is merely long finds its engine stepping.
+async fn stalled(engine: &Engine, limit: Duration) {
+    tokio::time::sleep(limit).await;
+    let checks = 2.0 * crate::upstream::health::INTERVAL.as_secs_f64();
+    loop {
+        let (report, seen) = engine.report();
+        let quiet = seen.map_or(f64::INFINITY, |s| (s - checks).max(0.0) + report.age_secs);
+        if quiet > limit.as_secs_f64() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }
 
 /// What a streamed answer holds until it ends.

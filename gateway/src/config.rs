@@ -80,8 +80,10 @@ pub struct GatewayConfig {
     #[serde(default = "default_timeout")]
     pub request_timeout_secs: u64,
     /// One engine's time to its first byte; a hung engine is then tried no more and counted
-    /// against its circuit, and the request goes to the next engine within the deadline. Also
-    /// the longest an engine may go silent mid-stream: the stream then ends as broken.
+    /// against its circuit, and the request goes to the next engine within the deadline. A
+    /// whole (not streamed) answer may take longer while the engine keeps stepping; one whose
+    /// engine has not finished a step for this long is a hang. Also the longest an engine may
+    /// go silent mid-stream: the stream then ends as broken.
     #[serde(default = "default_first_byte_timeout")]
     pub first_byte_timeout_secs: u64,
     /// A client's time to send a request head, and the idle time of a kept-alive connection.

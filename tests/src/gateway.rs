@@ -439,9 +439,12 @@ fn hung_conn(conn: TcpStream, count: &std::sync::atomic::AtomicUsize, generation
             ),
             "/health" => answer(&mut w, "application/json", r#"{"status":"ready"}"#),
             _ => {
-                if path.starts_with("/v1/") {
+                let generation = if path.starts_with("/v1/") {
                     count.fetch_add(1, Ordering::SeqCst);
-                }
+                    generation
+                } else {
+                    Answer::Never
+                };
                 if matches!(generation, Answer::Oversized) {
                     let size = 65 << 20;
                     let head = format!(

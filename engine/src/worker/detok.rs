@@ -10,9 +10,13 @@
 
 use kvgate_protocol::prompt::PromptRenderer;
 
-/// Most tokens held back waiting for the end of a character. A UTF-8 character is at most 4
-/// bytes, so a window this long that still ends mid-character never will.
+/// Most tokens held back that have added no whole character: a UTF-8 character is at most 4
+/// bytes, so tokens past this many that complete nothing never will.
 const MAX_PENDING: usize = 8;
+/// Most tokens held back at all: text whose every token ends inside a character (which valid
+/// text can do for a while, a character spanning each pair of tokens) is let through past this,
+/// its last character as U+FFFD.
+const MAX_WINDOW: usize = 64;
 
 /// Output text of one sequence, built token by token.
 #[derive(Debug, Clone, Default)]
@@ -37,11 +41,14 @@ impl Detokenizer {
             .decode(&self.ids[self.prefix..])
             .unwrap_or_default();
         let complete = after.len() > before.len() && !after.ends_with('\u{FFFD}');
-        if (complete || self.ids.len() - self.read >= MAX_PENDING) && after.starts_with(&before) {
+        let held = self.ids.len() - self.read;
+        let nothing_whole = after.trim_end_matches('\u{FFFD}').len() <= before.len();
+        let stuck = held >= MAX_WINDOW || held >= MAX_PENDING && nothing_whole;
+        if (complete || stuck) && after.starts_with(&before) {
             self.text.push_str(&after[before.len()..]);
             self.prefix = self.read;
             self.read = self.ids.len();
-        } else if self.ids.len() - self.read >= MAX_PENDING {
+        } else if stuck {
             // The window's context decodes differently with the new tokens (it never does for
             // byte-level BPE): start over from them.
             let text = renderer.decode(&self.ids[self.read..]).unwrap_or_default();

@@ -343,14 +343,12 @@ impl RedisStore {
         F: FnOnce(ConnectionManager) -> Fut,
         Fut: Future<Output = Result<T, RedisError>>,
     {
-        self.at_home(deadline(async {
-            f(self.conn.clone()).await.map_err(unavailable)
-        }))
-        .await
+        deadline(self.at_home(async { f(self.conn.clone()).await.map_err(unavailable) })).await
     }
 
     /// Polls `f` in the home runtime's context: whatever it spawns (a connection's driver, a
-    /// reconnection) runs there, and its timers and sockets register there.
+    /// reconnection) runs there, and its timers and sockets register there. (The call's deadline
+    /// stays on the caller's runtime: it holds however busy the home is.)
     async fn at_home<T>(&self, f: impl Future<Output = T>) -> T {
         let mut f = std::pin::pin!(f);
         std::future::poll_fn(|cx| {
@@ -486,22 +484,21 @@ impl Store for RedisStore {
             let script = Script::new(lua);
             // Each script re-checks the version itself, so concurrent migrators apply it once.
             let mut c = self.conn.clone();
-            let done: i64 = self
-                .at_home(deadline(async {
-                    let mut inv = script.prepare_invoke();
-                    inv.key(SCHEMA_KEY).key(MIGRATIONS_KEY).arg(n);
-                    inv.invoke_async(&mut c).await.map_err(|e| {
-                        if e.code() == Some(MIGRATION_ERROR) {
-                            StoreError::Schema(format!(
-                                "migration {n:04}: {}",
-                                e.detail().unwrap_or("")
-                            ))
-                        } else {
-                            unavailable(e)
-                        }
-                    })
-                }))
-                .await?;
+            let done: i64 = deadline(self.at_home(async {
+                let mut inv = script.prepare_invoke();
+                inv.key(SCHEMA_KEY).key(MIGRATIONS_KEY).arg(n);
+                inv.invoke_async(&mut c).await.map_err(|e| {
+                    if e.code() == Some(MIGRATION_ERROR) {
+                        StoreError::Schema(format!(
+                            "migration {n:04}: {}",
+                            e.detail().unwrap_or("")
+                        ))
+                    } else {
+                        unavailable(e)
+                    }
+                })
+            }))
+            .await?;
             if done == 1 {
                 applied.push(n);
             }

@@ -358,6 +358,8 @@ pub const MAX_EVENT_BYTES: usize = 1 << 20;
 
 impl SseRelay {
     fn new(inner: Incoming, wants_usage: bool, idle_limit: Duration) -> Self {
+        // Held to a year, so that no configured limit overflows an instant.
+        let idle_limit = idle_limit.min(Duration::from_secs(365 * 86_400));
         let heard = tokio::time::Instant::now();
         SseRelay {
             inner,
@@ -376,6 +378,9 @@ impl SseRelay {
         while self.ready.is_none() {
             match self.inner.frame().await {
                 Some(Ok(frame)) => {
+                    // The silence allowed after the first event counts from it, not from the
+                    // headers (sent before the queue and the prefill).
+                    self.heard = tokio::time::Instant::now();
                     if let Ok(data) = frame.into_data() {
                         self.take(&data);
                     }
