@@ -143,8 +143,7 @@ pub async fn serve_gateway(
     let admin = admin_task.await;
     // The last answers' rate-limit releases and usage records reach the store before the
     // process goes, whatever became of the listeners.
-    gw.settle_releases(std::time::Duration::from_secs(5)).await;
-    gw.settle_ledger(std::time::Duration::from_secs(5)).await;
+    gw.settle(std::time::Duration::from_secs(10)).await;
     gw.stop_following();
     api??;
     admin??;

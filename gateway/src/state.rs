@@ -223,24 +223,29 @@ impl Gateway {
         Ok(here || stored)
     }
 
-    /// Waits up to `limit` for the rate-limit releases still on their way to the store.
-    pub async fn settle_releases(&self, limit: std::time::Duration) {
+    /// Waits up to `limit` for the rate-limit releases and the usage records still on their
+    /// way to the store (at a stop), and logs what did not get there.
+    pub async fn settle(&self, limit: std::time::Duration) {
         let deadline = tokio::time::Instant::now() + limit;
-        while self
-            .pending_releases
-            .load(std::sync::atomic::Ordering::SeqCst)
-            > 0
+        let releases = || {
+            self.pending_releases
+                .load(std::sync::atomic::Ordering::SeqCst)
+        };
+        while (releases() > 0 || self.ledger.pending() > 0)
             && tokio::time::Instant::now() < deadline
         {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
-        let left = self
-            .pending_releases
-            .load(std::sync::atomic::Ordering::SeqCst);
-        if left > 0 {
+        if releases() > 0 {
             tracing::warn!(
-                releases = left,
+                releases = releases(),
                 "rate-limit releases not done before the stop; their leases will lapse"
+            );
+        }
+        if self.ledger.pending() > 0 {
+            tracing::error!(
+                records = self.ledger.pending(),
+                "usage records not written before the stop; they are lost"
             );
         }
     }
@@ -268,22 +273,6 @@ impl Gateway {
                     "monthly budget threshold reached"
                 );
             }
-        }
-    }
-
-    /// Waits up to `limit` for the usage records still on their way to the store.
-    pub async fn settle_ledger(&self, limit: std::time::Duration) {
-        let deadline = tokio::time::Instant::now() + limit;
-        while self.ledger.pending() > 0 && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-        let left = self.ledger.pending();
-        if left > 0 {
-            tracing::error!(
-                records = left,
-                secs = limit.as_secs_f64(),
-                "usage records not written before the stop; they are lost"
-            );
         }
     }
 

@@ -288,15 +288,21 @@ fn a_client_leaving_during_admission_releases_its_lease() {
         std::thread::sleep(Duration::from_millis(20));
     }
     // ... and the lease it took is released.
+    wait_released(&redis, conc, deadline);
+    wait_admitted(&gw, &key, &[]);
+}
+
+/// Waits until no lease is left in `conc` (a tenant's concurrency set), failing at `deadline`.
+fn wait_released(redis: &RedisServer, conc: &str, deadline: Instant) {
     while redis.cmd(&["ZCARD", conc]) != Reply::Int(0) {
         assert!(Instant::now() < deadline, "the lease stayed taken");
         std::thread::sleep(Duration::from_millis(20));
     }
-    wait_admitted(&gw, &key, &[]);
 }
 
-/// A release the store refuses (here: Redis's ACL forbids scripts for a moment) is tried again, so the tenant's slot comes back once the store does, instead of staying taken until
-/// the lease lapses a minute later. The answer does not wait for the retries.
+/// A release the store refuses (here: Redis's ACL forbids scripts for a moment) is tried again,
+/// so the tenant's slot comes back once the store does, instead of staying taken until the lease
+/// lapses a minute later. The answer does not wait for the retries.
 #[test]
 fn a_refused_release_is_retried() {
     let _serial = serial();
@@ -323,11 +329,7 @@ fn a_refused_release_is_retried() {
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(redis.cmd(&["ZCARD", conc]), Reply::Int(1));
     redis.cmd(&["ACL", "SETUSER", "default", "+evalsha", "+eval"]);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while redis.cmd(&["ZCARD", conc]) != Reply::Int(0) {
-        assert!(Instant::now() < deadline, "the lease stayed taken");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_released(&redis, conc, Instant::now() + Duration::from_secs(5));
     wait_admitted(&gw, &key, &[]);
 }
 

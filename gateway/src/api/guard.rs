@@ -145,16 +145,26 @@ impl Lease {
                 let (bucket, limits) = &buckets[i];
                 gw.store.release(bucket, *limits, &id, owed)
             };
-            let mut failed = Vec::new();
-            for i in 0..buckets.len() {
-                if release(i).await.is_err() {
-                    failed.push(i);
-                }
-            }
-            let _ = tried.send(());
+            // Every bucket is tried, then those that failed again after each pause; the
+            // caller hears once every bucket has had its first try.
+            let mut tried = Some(tried);
+            let mut failed: Vec<usize> = (0..buckets.len()).collect();
             let lapses = tokio::time::Instant::now() + LEASE;
             let mut pause = RELEASE_RETRY_FIRST;
-            while !failed.is_empty() {
+            loop {
+                let mut still = Vec::new();
+                for i in failed {
+                    if release(i).await.is_err() {
+                        still.push(i);
+                    }
+                }
+                failed = still;
+                if let Some(t) = tried.take() {
+                    let _ = t.send(());
+                }
+                if failed.is_empty() {
+                    break;
+                }
                 gw.metrics
                     .store_errors
                     .fetch_add(failed.len() as u64, Ordering::Relaxed);
@@ -167,13 +177,6 @@ impl Lease {
                 }
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(RELEASE_RETRY_MAX);
-                let mut still = Vec::new();
-                for i in failed {
-                    if release(i).await.is_err() {
-                        still.push(i);
-                    }
-                }
-                failed = still;
             }
         });
         Some(answer)
