@@ -2,7 +2,8 @@
 //!
 //! Each step the scheduler builds a [`StepPlan`] within a token budget (`max_batched_tokens`) and
 //! a sequence cap (`max_seqs`):
-//! 1. every running sequence gets the slot for its next token (decode), oldest group first; when
+//! 1. every running sequence gets the slot for its next token (decode), oldest group first (a
+//!    tenant's constrained groups within its share of the step's grammar-mask time); when
 //!    blocks run out, the lowest-priority, latest-arrived group is preempted whole, by recompute
 //!    (its full blocks stay cached, so the resume mostly hits) or by swap to host blocks; when a
 //!    tenant's KV quota runs out, the same within that tenant. Every preemption happens before
@@ -26,11 +27,13 @@
 //!
 //! Files: [`sequence`] (groups and sequences), [`fairness`] (tenant queues), [`plan`] (the step
 //! plan), [`core`] (the scheduler's state and the step), [`decode`] (decodes and preemption),
-//! [`prefill`] (prefills and admission), [`quota`] (tenants' KV quotas at admission).
+//! [`prefill`] (prefills and admission), [`quota`] (tenants' KV quotas at admission), [`masks`]
+//! (tenants' shares of the grammar masks' time).
 
 mod core;
 mod decode;
 pub mod fairness;
+mod masks;
 pub mod plan;
 mod prefill;
 mod quota;

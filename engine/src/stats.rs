@@ -49,6 +49,9 @@ pub struct EngineStats {
     /// Grammar masks computed (one per constrained sample per step), and their total time.
     pub grammar_masks: u64,
     pub grammar_mask_seconds: f64,
+    /// Decodes of constrained groups held back a step because their tenant's masks had spent
+    /// its share of the step's mask time.
+    pub grammar_deferred_decodes: u64,
     /// Grammars compiled (not found in the cache), their total time, and cache hits.
     pub grammar_compiles: u64,
     pub grammar_compile_seconds: f64,
@@ -167,6 +170,7 @@ impl Stats {
                 stalled_clients: 0,
                 grammar_masks: 0,
                 grammar_mask_seconds: 0.0,
+                grammar_deferred_decodes: 0,
                 grammar_compiles: 0,
                 grammar_compile_seconds: 0.0,
                 grammar_cache_hits: 0,

@@ -202,6 +202,8 @@ pub struct Worker<B: Backend> {
     stall_timeout: Duration,
     /// Step time against step size, measured on every forward pass.
     cost: StepCost,
+    /// The forward pass's recent time (a running mean): the grammar masks' budget per step.
+    forward_secs: f64,
     /// The load report last published, and when.
     published_load: Option<(Instant, LoadReport)>,
     /// The disk tier's I/O and the requests waiting on it, when the tier is on.
@@ -220,6 +222,9 @@ pub struct Worker<B: Backend> {
 
 /// Stack of the thread that computes grammar masks beside the forward pass.
 const MASK_STACK_BYTES: usize = 64 << 20;
+
+/// Weight of the newest forward pass in [`Worker::forward_secs`].
+const FORWARD_SECS_RATE: f64 = 0.2;
 
 /// How long an idle engine waits on the disk per turn while requests wait for their loads.
 const LOAD_POLL: Duration = Duration::from_millis(2);
@@ -270,6 +275,7 @@ impl<B: Backend> Worker<B> {
             ws: Workspace::new(),
             stall_timeout: Duration::from_secs(30),
             cost: StepCost::default(),
+            forward_secs: 0.0,
             published_load: None,
             disk: None,
             swap_blocks: 0,
@@ -529,21 +535,21 @@ impl<B: Backend> Worker<B> {
         }
         let masks = self.take_constraints(&plan);
         let (logits, sampled) = if masks.is_empty() {
-            self.forward(&plan)
+            self.timed_forward(&plan)
         } else {
             // The grammar masks of this step's constrained samples are computed beside the
             // forward pass, not after it (if the thread cannot start, as each row is sampled).
-            let slot = std::sync::Mutex::new((masks, 0.0f64));
+            let slot = std::sync::Mutex::new((masks, Vec::new()));
             let out = std::thread::scope(|scope| {
                 let work = || {
                     let mut g = slot.lock().unwrap_or_else(|p| p.into_inner());
-                    g.1 = g.0.iter_mut().map(|(_, _, c)| c.prepare()).sum();
+                    g.1 = g.0.iter_mut().map(|(_, _, c)| c.prepare()).collect();
                 };
                 let masker = std::thread::Builder::new()
                     .name("kvgate-masks".into())
                     .stack_size(MASK_STACK_BYTES)
                     .spawn_scoped(scope, work);
-                let out = self.forward(&plan);
+                let out = self.timed_forward(&plan);
                 // A mask that panicked is left unset and computed again as its row is sampled.
                 if masker.is_ok_and(|h| h.join().is_err()) {
                     tracing::error!("the mask thread panicked");
@@ -551,11 +557,7 @@ impl<B: Backend> Worker<B> {
                 out
             });
             let (back, secs) = slot.into_inner().unwrap_or_else(|p| p.into_inner());
-            let count = back.len() as u64;
-            self.metrics.update(|m| {
-                m.grammar_masks += count;
-                m.grammar_mask_seconds += secs;
-            });
+            self.observe_masks(&back, &secs);
             self.restore_constraints(back);
             out
         };
@@ -618,6 +620,42 @@ impl<B: Backend> Worker<B> {
             }
         }
         out
+    }
+
+    /// Runs the step's forward pass, and keeps its time as the next steps' mask budget.
+    fn timed_forward(&mut self, plan: &StepPlan) -> (Vec<f32>, Vec<StepItem>) {
+        let started = Instant::now();
+        let out = self.forward(plan);
+        let secs = started.elapsed().as_secs_f64();
+        self.forward_secs = if self.forward_secs > 0.0 {
+            self.forward_secs + FORWARD_SECS_RATE * (secs - self.forward_secs)
+        } else {
+            secs
+        };
+        self.sched.set_mask_budget(self.forward_secs);
+        out
+    }
+
+    /// Counts the step's masks and gives each sample's time to the scheduler, which shares the
+    /// mask budget among tenants by it.
+    fn observe_masks(&mut self, masks: &[(GroupId, usize, Constraint)], secs: &[f64]) {
+        for ((gid, i, _), &s) in masks.iter().zip(secs) {
+            let seq = self.requests.get(gid).and_then(|r| {
+                r.index
+                    .iter()
+                    .find_map(|(seq, &at)| (at == *i).then_some(*seq))
+            });
+            if let Some(seq) = seq {
+                self.sched.observe_mask(seq, s);
+            }
+        }
+        let (count, total) = (secs.len() as u64, secs.iter().sum::<f64>());
+        let deferred = self.sched.mask_deferrals();
+        self.metrics.update(|m| {
+            m.grammar_masks += count;
+            m.grammar_mask_seconds += total;
+            m.grammar_deferred_decodes = deferred;
+        });
     }
 
     fn restore_constraints(&mut self, masks: Vec<(GroupId, usize, Constraint)>) {

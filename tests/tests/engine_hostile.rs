@@ -1,7 +1,8 @@
 //! The engine against hostile callers, with the real SmolLM2: a request's own mistake is its own
 //! 4xx (never a 5xx the gateway would count against the engine), a stream that fails ends like
-//! every other, scope headers count only from the gateway, and a client that stops reading its
-//! stream is cut off instead of buffered without end.
+//! every other, scope headers count only from the gateway, a client that stops reading its
+//! stream is cut off instead of buffered without end, and a tenant whose grammar masks are slow
+//! takes turns within its share of each step.
 
 use kvgate_tests::{request, Engine, MODEL};
 use serde_json::Value;
@@ -226,4 +227,51 @@ fn a_client_that_stops_reading_its_stream_is_cancelled_and_its_blocks_freed() {
         PARIS
     );
     drop(conn);
+}
+
+#[test]
+fn a_tenant_whose_grammar_masks_are_slow_takes_turns_instead_of_slowing_everyone() {
+    let e = Engine::start("[auth]\nengine_token = \"gw-secret\"");
+    let post = |tenant: &'static str, body: String| {
+        let addr = e.addr;
+        std::thread::spawn(move || {
+            let headers = [
+                ("x-kvgate-tenant", tenant),
+                ("authorization", "Bearer gw-secret"),
+            ];
+            request(addr, "POST", "/v1/chat/completions", &headers, &body)
+        })
+    };
+    // An ambiguous grammar over single letters: its Earley items grow with the text, and each
+    // mask with them (to tens of milliseconds, below the parser's limits, for dozens of tokens).
+    let grammar = r#"start: s\ns: s s | \"a\" | \"b\" | \"c\" | \"d\" | \"e\""#;
+    let slow = post(
+        "mallory",
+        chat_body(&format!(
+            r#","n":8,"max_tokens":48,"response_format":{{"type":"lark","lark":"{grammar}"}}"#
+        )),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    let light = post("alice", chat_body(r#","max_tokens":48,"ignore_eos":true"#));
+    let light = light.join().unwrap();
+    eprintln!("PROBE alice {:?}", t0.elapsed());
+    assert_eq!(light.status, 200, "{}", light.body);
+    assert_eq!(light.json()["usage"]["completion_tokens"], 48);
+    // The slow grammar's samples waited their turns beside alice's decodes; its request ends as
+    // its grammar allows (done, or its own 400 at the parser's limits), never as an engine fault.
+    let slow = slow.join().unwrap();
+    assert!(slow.status == 200 || slow.status == 400, "{}", slow.body);
+    assert_eq!(slow.header("x-kvgate-fault"), None);
+    let deferred = metric(&e, "kvgate_grammar_deferred_decodes_total ").unwrap_or(0.0);
+    eprintln!(
+        "PROBE slow {} deferred {deferred} masks {:?} secs {:?} total {:?}",
+        slow.status,
+        metric(&e, "kvgate_grammar_masks_total "),
+        metric(&e, "kvgate_grammar_mask_seconds_total "),
+        t0.elapsed()
+    );
+    assert!(deferred > 0.0, "no decode waited for its tenant's share");
+    let status = e.admin("GET", "/admin/status", "").json();
+    assert_eq!(status["blocks"]["used"], 0, "{status}");
 }

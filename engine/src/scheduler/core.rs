@@ -1,6 +1,7 @@
 //! The scheduling algorithm (see the module docs of [`crate::scheduler`]).
 
 use super::fairness::{FairQueues, TenantId};
+use super::masks::MaskShares;
 use super::plan::{PreemptMode, StepPlan};
 use super::sequence::{FinishReason, GroupId, SeqGroup, SeqStatus, Sequence};
 use crate::kv::{KvCacheManager, ScopeId, SeqId};
@@ -64,6 +65,8 @@ pub struct Scheduler {
     pub(super) next_arrival: u64,
     pub(super) next_seq: u64,
     pub(super) stats: SchedulerStats,
+    /// Constrained groups' mask times and each tenant's share of a step's.
+    pub(super) masks: MaskShares,
 }
 
 impl Scheduler {
@@ -79,6 +82,7 @@ impl Scheduler {
             next_arrival: 0,
             next_seq: 0,
             stats: SchedulerStats::default(),
+            masks: MaskShares::default(),
         }
     }
 
@@ -379,6 +383,7 @@ impl Scheduler {
     }
 
     fn remove(&mut self, gid: GroupId) {
+        self.forget_masks(gid);
         self.groups.remove(&gid);
         self.priorities.remove(&gid);
         self.running.retain(|g| *g != gid);

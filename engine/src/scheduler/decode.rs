@@ -1,5 +1,6 @@
 //! The decode pass and preemption. Every running group that is past its prompt gets the slot for
-//! its next token, oldest group first, in two passes: the first reserves each group's blocks and
+//! its next token, oldest group first (but for constrained samples over their tenant's share of
+//! the step's mask time, [`super::masks`]), in two passes: the first reserves each group's blocks and
 //! budget and does every preemption (for free blocks, or within a tenant's KV quota); the second
 //! appends the slots. A victim is therefore only ever a reservation when it is taken: withdrawing
 //! it returns its budget, and it has no item, copy-on-write or slot in the step yet, so the model
@@ -14,23 +15,27 @@ use super::fairness::TenantId;
 use super::plan::{PreemptMode, StepItem, StepPlan};
 use super::sequence::{GroupId, SeqStatus};
 use crate::kv::SeqId;
+use std::collections::HashSet;
 
 impl Scheduler {
     /// Plans this step's decodes (see the module docs).
     pub(super) fn schedule_decodes(&mut self, plan: &mut StepPlan, budget: &mut Budget) {
         let mut reserved = Reservations::default();
+        let deferred = self.mask_deferred();
         for gid in self.running.clone() {
-            self.reserve_decode(gid, &mut reserved, plan, budget);
+            self.reserve_decode(gid, &deferred, &mut reserved, plan, budget);
         }
         self.settle_prefill_quotas(&mut reserved, plan, budget);
         for r in reserved.list {
-            self.append_decode(r.group, plan, budget);
+            self.append_decode(r.group, &deferred, plan, budget);
         }
+        self.mask_turns(plan.items.iter().map(|i| i.seq));
     }
 
     fn reserve_decode(
         &mut self,
         gid: GroupId,
+        deferred: &HashSet<SeqId>,
         reserved: &mut Reservations,
         plan: &mut StepPlan,
         budget: &mut Budget,
@@ -45,7 +50,7 @@ impl Scheduler {
         let tenant = group.tenant;
         let seqs: Vec<SeqId> = group
             .live()
-            .filter(|s| s.num_uncomputed() > 0)
+            .filter(|s| s.num_uncomputed() > 0 && !deferred.contains(&s.id))
             .map(|s| s.id)
             .collect();
         if seqs.is_empty() || seqs.len() > budget.seqs || seqs.len() > budget.tokens {
@@ -101,13 +106,20 @@ impl Scheduler {
         }
     }
 
-    /// Appends the next token's slot to every live sequence of a reserved group.
-    fn append_decode(&mut self, gid: GroupId, plan: &mut StepPlan, budget: &mut Budget) {
+    /// Appends the next token's slot to every live sequence of a reserved group (but those whose
+    /// masks wait this step).
+    fn append_decode(
+        &mut self,
+        gid: GroupId,
+        deferred: &HashSet<SeqId>,
+        plan: &mut StepPlan,
+        budget: &mut Budget,
+    ) {
         let Some(group) = self.groups.get_mut(&gid) else {
             return;
         };
         for seq in group.seqs.iter_mut().filter(|s| s.finished.is_none()) {
-            if seq.num_uncomputed() == 0 {
+            if seq.num_uncomputed() == 0 || deferred.contains(&seq.id) {
                 continue;
             }
             let last = seq.tokens[seq.num_computed..].to_vec();

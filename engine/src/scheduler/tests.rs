@@ -2,7 +2,7 @@
 //! token.
 
 use super::*;
-use crate::kv::test_manager;
+use crate::kv::{test_manager, SeqId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::HashSet;
@@ -518,4 +518,72 @@ fn a_step_that_decodes_caps_its_prefill() {
     }
     drain(&mut s, 100);
     assert_eq!(s.kv.num_sequences(), 0);
+}
+
+#[test]
+fn a_tenant_with_slow_grammar_masks_takes_turns_within_its_share_of_the_step() {
+    let mut s = scheduler(256, PreemptMode::Recompute);
+    // Tenant 0: four constrained samples (one request, and one of n = 3) whose masks take 10 ms
+    // each; tenant 1: two requests, one of them constrained with quick masks. A 20 ms forward
+    // pass: 10 ms of masks for each tenant.
+    add(&mut s, 1, 0, 4, 1, 40);
+    add(&mut s, 2, 0, 4, 3, 40);
+    add(&mut s, 5, 1, 4, 1, 12);
+    add(&mut s, 6, 1, 4, 1, 12);
+    step(&mut s);
+    s.set_mask_budget(0.020);
+    let slow: Vec<SeqId> = [1, 2]
+        .iter()
+        .flat_map(|&g| s.group(GroupId(g)).unwrap().seqs.iter().map(|q| q.id))
+        .collect();
+    assert_eq!(slow.len(), 4);
+    for &q in &slow {
+        s.observe_mask(q, 0.010);
+    }
+    s.observe_mask(s.group(GroupId(6)).unwrap().seqs[0].id, 0.000_05);
+    let mut turns = vec![0usize; slow.len()];
+    let mut steps = 0;
+    while s.group(GroupId(5)).is_some() {
+        let plan = step(&mut s);
+        steps += 1;
+        let decoded: HashSet<GroupId> = plan.items.iter().map(|i| i.group).collect();
+        assert!(decoded.contains(&GroupId(5)) && decoded.contains(&GroupId(6)));
+        let went: Vec<usize> = (0..slow.len())
+            .filter(|&k| plan.items.iter().any(|i| i.seq == slow[k]))
+            .collect();
+        assert_eq!(
+            went.len(),
+            1,
+            "step {steps}: samples {went:?} of the slow tenant"
+        );
+        turns[went[0]] += 1;
+    }
+    // Eleven steps to the light tenant's twelfth token; the slow samples took turns, those of
+    // the n = 3 request among them.
+    assert_eq!(steps, 11);
+    assert!(turns.iter().all(|&t| t == 2 || t == 3), "{turns:?}");
+    assert_eq!(s.mask_deferrals(), 3 * 11);
+    // Alone, the slow tenant holds no one up: all of its samples decode every step.
+    let plan = step(&mut s);
+    assert_eq!(plan.items.len(), 4);
+    assert_eq!(s.mask_deferrals(), 3 * 11);
+    drain(&mut s, 100);
+}
+
+#[test]
+fn a_mask_that_costs_three_shares_decodes_every_third_step() {
+    let mut s = scheduler(256, PreemptMode::Recompute);
+    add(&mut s, 1, 0, 4, 1, 40);
+    add(&mut s, 2, 1, 4, 1, 40);
+    step(&mut s);
+    // 10 ms a tenant; the constrained sample's masks take 30 ms.
+    s.set_mask_budget(0.020);
+    let slow = s.group(GroupId(1)).unwrap().seqs[0].id;
+    s.observe_mask(slow, 0.030);
+    let went: Vec<bool> = (0..9)
+        .map(|_| step(&mut s).items.iter().any(|i| i.seq == slow))
+        .collect();
+    let every_third = [false, false, true].repeat(3);
+    assert_eq!(went, every_third);
+    assert_eq!(s.mask_deferrals(), 6);
 }

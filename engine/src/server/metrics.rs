@@ -206,6 +206,14 @@ fn render_stats(m: &EngineStats) -> String {
     );
     scalar(
         &mut o,
+        "kvgate_grammar_deferred_decodes_total",
+        "counter",
+        "Decodes of constrained requests held back a step: their tenant's masks had spent its \
+         share of the step's mask time.",
+        m.grammar_deferred_decodes,
+    );
+    scalar(
+        &mut o,
         "kvgate_grammar_compiles_total",
         "counter",
         "Structured-output grammars compiled (each tenant's grammar once, while it stays cached).",
