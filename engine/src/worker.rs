@@ -534,6 +534,7 @@ impl<B: Backend> Worker<B> {
             }
         }
         let masks = self.take_constraints(&plan);
+        let mut measured = Vec::new();
         let (logits, sampled) = if masks.is_empty() {
             self.timed_forward(&plan)
         } else {
@@ -557,16 +558,28 @@ impl<B: Backend> Worker<B> {
                 out
             });
             let (back, secs) = slot.into_inner().unwrap_or_else(|p| p.into_inner());
-            self.observe_masks(&back, &secs);
+            measured = back.iter().map(|(g, i, _)| (*g, *i)).zip(secs).collect();
             self.restore_constraints(back);
             out
         };
         self.cost
             .observe(plan.num_tokens(), started.elapsed().as_secs_f64());
         let vocab = self.model.config().vocab_size;
+        let tenants: Vec<Option<TenantId>> = measured
+            .iter()
+            .map(|((g, _), _)| {
+                self.requests
+                    .get(g)
+                    .and_then(|r| self.tenants.get(&r.tenant))
+            })
+            .map(Option::<&TenantId>::copied)
+            .collect();
         for (k, item) in sampled.iter().enumerate() {
             let row = &logits[k * vocab..(k + 1) * vocab];
             self.on_logits(item.group, item.seq, row);
+        }
+        if !measured.is_empty() {
+            self.observe_masks(&measured, &tenants);
         }
         self.metrics
             .update(|m| m.batch_tokens.observe(plan.num_tokens() as f64));
@@ -622,39 +635,43 @@ impl<B: Backend> Worker<B> {
         out
     }
 
-    /// Runs the step's forward pass, and keeps its time as the next steps' mask budget.
+    /// Runs the step's forward pass; the time of one that only decodes is the next steps' mask
+    /// budget (a running mean: steps with prefill chunks, which a tenant can lengthen at will,
+    /// do not raise it).
     fn timed_forward(&mut self, plan: &StepPlan) -> (Vec<f32>, Vec<StepItem>) {
         let started = Instant::now();
         let out = self.forward(plan);
-        let secs = started.elapsed().as_secs_f64();
-        self.forward_secs = if self.forward_secs > 0.0 {
-            self.forward_secs + FORWARD_SECS_RATE * (secs - self.forward_secs)
-        } else {
-            secs
-        };
-        self.sched.set_mask_budget(self.forward_secs);
+        if plan.items.iter().all(|i| i.len == 1) {
+            let secs = started.elapsed().as_secs_f64();
+            self.forward_secs = if self.forward_secs > 0.0 {
+                self.forward_secs + FORWARD_SECS_RATE * (secs - self.forward_secs)
+            } else {
+                secs
+            };
+            self.sched.set_mask_budget(self.forward_secs);
+        }
         out
     }
 
-    /// Counts the step's masks and gives each sample's time to the scheduler, which shares the
-    /// mask budget among tenants by it.
-    fn observe_masks(&mut self, masks: &[(GroupId, usize, Constraint)], secs: &[f64]) {
-        for ((gid, i, _), &s) in masks.iter().zip(secs) {
-            let seq = self.requests.get(gid).and_then(|r| {
+    /// Counts the step's masks and gives each one's time to the scheduler, which charges it to
+    /// the request's tenant and keeps each sample's expected time (after [`Worker::on_logits`],
+    /// so that samples forked this step are known).
+    fn observe_masks(&mut self, masks: &[((GroupId, usize), f64)], tenants: &[Option<TenantId>]) {
+        for (&((gid, i), secs), tenant) in masks.iter().zip(tenants) {
+            let seq = self.requests.get(&gid).and_then(|r| {
                 r.index
                     .iter()
-                    .find_map(|(seq, &at)| (at == *i).then_some(*seq))
+                    .find_map(|(seq, &at)| (at == i).then_some(*seq))
             });
-            if let Some(seq) = seq {
-                self.sched.observe_mask(seq, s);
+            if let Some(tenant) = *tenant {
+                self.sched.observe_mask(tenant, seq, secs);
             }
         }
-        let (count, total) = (secs.len() as u64, secs.iter().sum::<f64>());
-        let deferred = self.sched.mask_deferrals();
+        let count = masks.len() as u64;
+        let total: f64 = masks.iter().map(|(_, s)| s).sum();
         self.metrics.update(|m| {
             m.grammar_masks += count;
             m.grammar_mask_seconds += total;
-            m.grammar_deferred_decodes = deferred;
         });
     }
 
@@ -913,6 +930,7 @@ impl<B: Backend> Worker<B> {
         let queued = self.disk.as_ref().map_or(0, |d| d.io.queued_write_bytes());
         let mut rates = self.tier_rates;
         let s = self.sched.stats();
+        let deferred = self.sched.mask_deferrals();
         let kv = &self.sched.kv;
         let tenant_blocks: BTreeMap<String, u64> = self
             .tenants
@@ -951,6 +969,7 @@ impl<B: Backend> Worker<B> {
             m.swapped_in_blocks = c.swapped_in_blocks;
             m.preemptions_recompute = s.preempted_recompute;
             m.preemptions_swap = s.preempted_swap;
+            m.grammar_deferred_decodes = deferred;
             m.running = running as u64;
             m.waiting = waiting as u64;
             m.swapped = swapped as u64;

@@ -230,7 +230,7 @@ fn a_client_that_stops_reading_its_stream_is_cancelled_and_its_blocks_freed() {
 }
 
 #[test]
-fn a_tenant_whose_grammar_masks_are_slow_takes_turns_instead_of_slowing_everyone() {
+fn a_tenant_whose_grammar_masks_are_slow_is_held_to_its_share_of_each_step() {
     let e = Engine::start("[auth]\nengine_token = \"gw-secret\"");
     let post = |tenant: &'static str, body: String| {
         let addr = e.addr;
@@ -252,25 +252,17 @@ fn a_tenant_whose_grammar_masks_are_slow_takes_turns_instead_of_slowing_everyone
         )),
     );
     std::thread::sleep(Duration::from_millis(300));
-    let t0 = Instant::now();
     let light = post("alice", chat_body(r#","max_tokens":48,"ignore_eos":true"#));
     let light = light.join().unwrap();
-    eprintln!("PROBE alice {:?}", t0.elapsed());
     assert_eq!(light.status, 200, "{}", light.body);
     assert_eq!(light.json()["usage"]["completion_tokens"], 48);
-    // The slow grammar's samples waited their turns beside alice's decodes; its request ends as
-    // its grammar allows (done, or its own 400 at the parser's limits), never as an engine fault.
+    // The slow grammar's samples waited their turns beside alice's decodes (what that saves
+    // alice is measured by scripts/bench-mask-shares); its request ends as its grammar allows
+    // (done, or its own 400 at the parser's limits), never as an engine fault.
     let slow = slow.join().unwrap();
     assert!(slow.status == 200 || slow.status == 400, "{}", slow.body);
     assert_eq!(slow.header("x-kvgate-fault"), None);
     let deferred = metric(&e, "kvgate_grammar_deferred_decodes_total ").unwrap_or(0.0);
-    eprintln!(
-        "PROBE slow {} deferred {deferred} masks {:?} secs {:?} total {:?}",
-        slow.status,
-        metric(&e, "kvgate_grammar_masks_total "),
-        metric(&e, "kvgate_grammar_mask_seconds_total "),
-        t0.elapsed()
-    );
     assert!(deferred > 0.0, "no decode waited for its tenant's share");
     let status = e.admin("GET", "/admin/status", "").json();
     assert_eq!(status["blocks"]["used"], 0, "{status}");

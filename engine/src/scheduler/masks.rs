@@ -3,17 +3,22 @@
 //! A constrained sample's mask is computed on one thread beside the step's forward pass, so
 //! masks cost a step nothing while together they take no longer than the pass. Each mask is
 //! bounded (the grammar's parser limits), but their number is not: a tenant whose grammars make
-//! every mask slow, with many constrained samples decoding, would lengthen every tenant's steps.
+//! every mask slow, with many constrained samples, would lengthen every tenant's steps.
 //!
-//! So each step has a mask budget, the forward pass's recent time, and every tenant with requests
-//! decoding beside another tenant's earns an equal share of it each step, as credit for the masks
-//! of its constrained samples, at each sample's measured mask time. Its samples decode, least
-//! recently decoded first, while the credit pays for their masks; the rest wait a step, so they
-//! take turns (the samples of one `n > 1` request too). Credit is kept up to the tenant's
-//! costliest mask (or one share), so a sample whose mask alone costs more than a share still
-//! decodes, every few steps: a tenant's masks average no more than its share of the step.
-//! Grammars whose masks are quick (a JSON schema's take about 0.05 ms) never meet the budget;
-//! with one tenant decoding there is no one else to protect, and nothing waits.
+//! So each step has a mask budget (the recent time of a forward pass that only decodes), and
+//! while two or more tenants have requests running, each earns an equal share of it every step
+//! as credit. Every mask computed for a tenant is paid from its credit at its measured time,
+//! also those that cannot wait (the first masks where a prompt ends), which leave a debt. Its
+//! decoding samples, least recently decoded first, decode while the credit covers their expected
+//! mask times (each sample's running mean); the rest wait a step, so they take turns (the
+//! samples of one `n > 1` request too). Credit is kept up to the tenant's costliest mask (or one
+//! share), so a sample whose mask alone costs more than a share still decodes, every few steps:
+//! over time a tenant's masks average no more than its share of the step. If every decode of
+//! every tenant would wait and nothing prefills, the front sample of the tenant with the most
+//! credit goes, so a step is never empty for masks alone.
+//!
+//! Grammars whose masks are quick (a JSON schema's take about 0.05 ms) never meet the budget,
+//! and a tenant running alone is never held back.
 
 use super::core::Scheduler;
 use super::fairness::TenantId;
@@ -24,40 +29,53 @@ use std::collections::{HashMap, HashSet};
 /// Weight of a sample's newest mask time in its running estimate.
 const MASK_COST_RATE: f64 = 0.5;
 
-/// Mask state of the constrained samples.
+/// Most a tenant may owe, in seconds of masks.
+const MAX_DEBT_SECS: f64 = 10.0;
+
+/// Mask state of the constrained samples and of the tenants sharing the budget.
 #[derive(Debug, Default)]
 pub(super) struct MaskShares {
     /// Expected mask seconds per step of each constrained sample.
     cost: HashMap<SeqId, f64>,
-    /// The step each constrained sample last decoded in.
+    /// The step each constrained sample last decoded in (or was first seen).
     turn: HashMap<SeqId, u64>,
     /// Seconds one step's masks may take in all (0: unbounded).
     budget: f64,
-    /// Each tenant's mask seconds earned and not yet spent.
+    /// Mask seconds each tenant with running requests has earned and not spent (negative: owed),
+    /// while the budget is shared; empty otherwise.
     credit: HashMap<TenantId, f64>,
     /// Decodes held back a step, in all.
     pub(super) deferred: u64,
 }
 
 impl MaskShares {
-    pub(super) fn forget(&mut self, seq: SeqId) {
+    fn forget(&mut self, seq: SeqId) {
         self.cost.remove(&seq);
         self.turn.remove(&seq);
     }
 }
 
 impl Scheduler {
-    /// Records the time sample `seq`'s mask took in the last step.
-    pub fn observe_mask(&mut self, seq: SeqId, secs: f64) {
-        if !secs.is_finite() || secs < 0.0 || self.kv.block_table(seq).is_none() {
+    /// Records the time one mask of `tenant`'s took in the last step: paid from its credit,
+    /// and, for sample `seq` (when known and still running), folded into that sample's expected
+    /// time.
+    pub fn observe_mask(&mut self, tenant: TenantId, seq: Option<SeqId>, secs: f64) {
+        if !secs.is_finite() || secs < 0.0 {
             return;
         }
+        if let Some(c) = self.masks.credit.get_mut(&tenant) {
+            *c = (*c - secs).max(-MAX_DEBT_SECS);
+        }
+        let Some(seq) = seq.filter(|s| self.kv.block_table(*s).is_some()) else {
+            return;
+        };
+        let step = self.stats.steps;
+        self.masks.turn.entry(seq).or_insert(step);
         let cost = self.masks.cost.entry(seq).or_insert(secs);
         *cost += MASK_COST_RATE * (secs - *cost);
     }
 
-    /// Sets the seconds one step's masks may take in all: the forward pass's time, which they
-    /// run beside (0: unbounded).
+    /// Sets the seconds one step's masks may take in all (0: unbounded).
     pub fn set_mask_budget(&mut self, secs: f64) {
         self.masks.budget = if secs.is_finite() { secs.max(0.0) } else { 0.0 };
     }
@@ -70,17 +88,21 @@ impl Scheduler {
     /// The samples of running groups whose decode waits this step (see the module docs).
     pub(super) fn mask_deferred(&mut self) -> HashSet<SeqId> {
         let mut out = HashSet::new();
-        if self.masks.budget <= 0.0 || self.masks.cost.is_empty() {
-            return out;
-        }
-        let mut decoding: HashSet<TenantId> = HashSet::new();
+        let mut active: HashSet<TenantId> = HashSet::new();
+        let mut prefilling = false;
+        let mut decoding = 0usize;
         let mut constrained: HashMap<TenantId, Vec<(u64, u64, SeqId, f64)>> = HashMap::new();
         for g in self.running_groups() {
-            if g.status != SeqStatus::Running || g.in_prefill() {
+            if g.status != SeqStatus::Running {
                 continue;
             }
-            decoding.insert(g.tenant);
-            for s in g.live() {
+            active.insert(g.tenant);
+            if g.in_prefill() {
+                prefilling = true;
+                continue;
+            }
+            for s in g.live().filter(|s| s.num_uncomputed() > 0) {
+                decoding += 1;
                 if let Some(&cost) = self.masks.cost.get(&s.id) {
                     let turn = self.masks.turn.get(&s.id).copied().unwrap_or(0);
                     constrained
@@ -90,31 +112,41 @@ impl Scheduler {
                 }
             }
         }
-        if decoding.len() < 2 {
+        if self.masks.budget <= 0.0 || active.len() < 2 {
             self.masks.credit.clear();
             return out;
         }
-        let share = self.masks.budget / decoding.len() as f64;
-        let mut credit = HashMap::with_capacity(constrained.len());
-        for (tenant, mut samples) in constrained {
+        let share = self.masks.budget / active.len() as f64;
+        let mut credit = HashMap::with_capacity(active.len());
+        // The first sample each tenant could not pay for, with its credit.
+        let mut fronts: Vec<(f64, SeqId)> = Vec::new();
+        for tenant in active {
+            let mut samples = constrained.remove(&tenant).unwrap_or_default();
             samples.sort_by_key(|&(turn, arrival, seq, _)| (turn, arrival, seq));
             let most = samples.iter().fold(share, |m, s| m.max(s.3));
             let earned = self.masks.credit.get(&tenant).copied().unwrap_or(0.0) + share;
-            let mut left = earned.min(most);
-            // Strictly in turn: a sample that cannot be paid for holds back the later ones, and
-            // the credit left is saved toward it.
-            let mut paying = true;
+            let earned = earned.min(most);
+            credit.insert(tenant, earned);
+            // Strictly in turn: a sample that cannot be paid for holds back the later ones.
+            let (mut left, mut paying) = (earned, true);
             for &(_, _, seq, cost) in &samples {
-                paying &= cost <= left;
-                if paying {
+                if paying && cost <= left {
                     left -= cost;
-                } else {
-                    out.insert(seq);
+                    continue;
                 }
+                if paying {
+                    fronts.push((earned, seq));
+                    paying = false;
+                }
+                out.insert(seq);
             }
-            credit.insert(tenant, left.max(0.0));
         }
         self.masks.credit = credit;
+        if !prefilling && out.len() == decoding {
+            if let Some(&(_, seq)) = fronts.iter().max_by(|a, b| a.0.total_cmp(&b.0)) {
+                out.remove(&seq);
+            }
+        }
         self.masks.deferred += out.len() as u64;
         out
     }

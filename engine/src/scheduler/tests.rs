@@ -520,6 +520,17 @@ fn a_step_that_decodes_caps_its_prefill() {
     assert_eq!(s.kv.num_sequences(), 0);
 }
 
+/// [`step`], then each constrained sample that decoded pays for its mask, as the engine does.
+fn step_paying(s: &mut Scheduler, costs: &[(u32, SeqId, f64)]) -> StepPlan {
+    let plan = step(s);
+    for &(tenant, seq, secs) in costs {
+        if plan.items.iter().any(|i| i.seq == seq) {
+            s.observe_mask(TenantId(tenant), Some(seq), secs);
+        }
+    }
+    plan
+}
+
 #[test]
 fn a_tenant_with_slow_grammar_masks_takes_turns_within_its_share_of_the_step() {
     let mut s = scheduler(256, PreemptMode::Recompute);
@@ -537,14 +548,16 @@ fn a_tenant_with_slow_grammar_masks_takes_turns_within_its_share_of_the_step() {
         .flat_map(|&g| s.group(GroupId(g)).unwrap().seqs.iter().map(|q| q.id))
         .collect();
     assert_eq!(slow.len(), 4);
-    for &q in &slow {
-        s.observe_mask(q, 0.010);
+    let quick = s.group(GroupId(6)).unwrap().seqs[0].id;
+    let mut costs: Vec<(u32, SeqId, f64)> = slow.iter().map(|&q| (0, q, 0.010)).collect();
+    costs.push((1, quick, 0.000_05));
+    for &(t, q, c) in &costs {
+        s.observe_mask(TenantId(t), Some(q), c);
     }
-    s.observe_mask(s.group(GroupId(6)).unwrap().seqs[0].id, 0.000_05);
     let mut turns = vec![0usize; slow.len()];
     let mut steps = 0;
     while s.group(GroupId(5)).is_some() {
-        let plan = step(&mut s);
+        let plan = step_paying(&mut s, &costs);
         steps += 1;
         let decoded: HashSet<GroupId> = plan.items.iter().map(|i| i.group).collect();
         assert!(decoded.contains(&GroupId(5)) && decoded.contains(&GroupId(6)));
@@ -564,26 +577,79 @@ fn a_tenant_with_slow_grammar_masks_takes_turns_within_its_share_of_the_step() {
     assert!(turns.iter().all(|&t| t == 2 || t == 3), "{turns:?}");
     assert_eq!(s.mask_deferrals(), 3 * 11);
     // Alone, the slow tenant holds no one up: all of its samples decode every step.
-    let plan = step(&mut s);
+    let plan = step_paying(&mut s, &costs);
     assert_eq!(plan.items.len(), 4);
     assert_eq!(s.mask_deferrals(), 3 * 11);
     drain(&mut s, 100);
 }
 
-#[test]
-fn a_mask_that_costs_three_shares_decodes_every_third_step() {
+/// Two tenants decoding one request each (groups 1 and 2, tenants 0 and 1) under a 20 ms mask
+/// budget (10 ms a tenant); returns their samples.
+fn two_decoding_tenants() -> (Scheduler, SeqId, SeqId) {
     let mut s = scheduler(256, PreemptMode::Recompute);
     add(&mut s, 1, 0, 4, 1, 40);
     add(&mut s, 2, 1, 4, 1, 40);
     step(&mut s);
-    // 10 ms a tenant; the constrained sample's masks take 30 ms.
     s.set_mask_budget(0.020);
-    let slow = s.group(GroupId(1)).unwrap().seqs[0].id;
-    s.observe_mask(slow, 0.030);
+    let seq = |s: &Scheduler, g| s.group(GroupId(g)).unwrap().seqs[0].id;
+    let (a, b) = (seq(&s, 1), seq(&s, 2));
+    (s, a, b)
+}
+
+#[test]
+fn a_mask_that_costs_three_shares_decodes_every_third_step() {
+    // The constrained sample's masks take 30 ms.
+    let (mut s, slow, _) = two_decoding_tenants();
+    let costs = [(0, slow, 0.030)];
+    s.observe_mask(TenantId(0), Some(slow), 0.030);
     let went: Vec<bool> = (0..9)
-        .map(|_| step(&mut s).items.iter().any(|i| i.seq == slow))
+        .map(|_| {
+            step_paying(&mut s, &costs)
+                .items
+                .iter()
+                .any(|i| i.seq == slow)
+        })
         .collect();
-    let every_third = [false, false, true].repeat(3);
-    assert_eq!(went, every_third);
+    assert_eq!(went, [false, false, true].repeat(3));
     assert_eq!(s.mask_deferrals(), 6);
+}
+
+#[test]
+fn a_step_never_empties_for_masks_alone() {
+    let (mut s, a, b) = two_decoding_tenants();
+    // Both tenants' only samples cost three shares: holding both back would leave a step with
+    // nothing to run, so the one with more credit goes; they take turns.
+    let costs = [(0, a, 0.030), (1, b, 0.030)];
+    s.observe_mask(TenantId(0), Some(a), 0.030);
+    s.observe_mask(TenantId(1), Some(b), 0.030);
+    let (mut went_a, mut went_b) = (0, 0);
+    for n in 0..12 {
+        let plan = step_paying(&mut s, &costs);
+        assert!(!plan.items.is_empty(), "step {n} ran nothing");
+        went_a += usize::from(plan.items.iter().any(|i| i.seq == a));
+        went_b += usize::from(plan.items.iter().any(|i| i.seq == b));
+    }
+    assert!(went_a >= 4 && went_b >= 4, "{went_a} {went_b}");
+}
+
+#[test]
+fn masks_that_could_not_wait_are_owed() {
+    // A sample whose masks take exactly tenant 0's share decodes every step...
+    let (mut s, a, _) = two_decoding_tenants();
+    let costs = [(0, a, 0.010)];
+    s.observe_mask(TenantId(0), Some(a), 0.010);
+    for _ in 0..3 {
+        assert!(step_paying(&mut s, &costs).items.iter().any(|i| i.seq == a));
+    }
+    // ... until the tenant computes 50 ms of masks that could not wait (where a prompt ends):
+    // it owes them, and its sample waits five steps while tenant 1 goes on.
+    s.observe_mask(TenantId(0), None, 0.050);
+    let went: Vec<bool> = (0..6)
+        .map(|_| {
+            let plan = step_paying(&mut s, &costs);
+            assert!(plan.items.iter().any(|i| i.group == GroupId(2)));
+            plan.items.iter().any(|i| i.seq == a)
+        })
+        .collect();
+    assert_eq!(went, [false, false, false, false, false, true]);
 }
