@@ -90,6 +90,7 @@ pub async fn run(
 ) -> std::io::Result<()> {
     let closing = state.closing.clone();
     let commands = state.commands.clone();
+    let tracer = state.tracer.clone();
     let shutdown = async move {
         shutdown.await;
         let _ = closing.send(true);
@@ -111,6 +112,10 @@ pub async fn run(
         .is_ok()
     {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(70), rx).await;
+    }
+    // The last requests' traces go to the collector before the process ends.
+    if !tracer.flush(std::time::Duration::from_secs(5)).await {
+        tracing::warn!("the last traces were not exported before the stop");
     }
     served
 }

@@ -59,6 +59,9 @@ pub enum StartError {
     Config(String),
 }
 
+/// Least time a stop gives the last traces' export, whatever the settling before it took.
+const TRACE_FLUSH_MIN: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl Gateway {
     /// Builds the gateway and starts following every engine in the config and the store.
     /// Must run inside a tokio runtime.
@@ -224,7 +227,8 @@ impl Gateway {
     }
 
     /// Waits up to `limit` for the rate-limit releases and the usage records still on their
-    /// way to the store (at a stop), and logs what did not get there.
+    /// way to the store (at a stop), and logs what did not get there; then sends the last
+    /// traces to the collector.
     pub async fn settle(&self, limit: std::time::Duration) {
         let deadline = tokio::time::Instant::now() + limit;
         let releases = || {
@@ -247,6 +251,10 @@ impl Gateway {
                 records = self.ledger.pending(),
                 "usage records not written before the stop; they are lost"
             );
+        }
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if !self.tracer.flush(left.max(TRACE_FLUSH_MIN)).await {
+            tracing::warn!("the last traces were not exported before the stop");
         }
     }
 

@@ -30,7 +30,7 @@ use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 pub use opentelemetry::trace::SpanKind as Kind;
 pub use opentelemetry::KeyValue as Attr;
@@ -48,6 +48,8 @@ const ROOT_ATTRS: usize = 12;
 const CHILD_SPANS: usize = 6;
 /// How long the export task lets traces gather after the first of a batch arrives.
 const FLUSH: Duration = Duration::from_millis(200);
+/// Flushes asked for and not yet begun, at most.
+const FLUSH_ASKS: usize = 8;
 /// One export request's time, connecting, sending and reading the answer; a collector that does
 /// not answer within it loses that batch.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -201,6 +203,8 @@ pub struct Tracer(Option<Arc<Exporter>>);
 #[derive(Debug)]
 struct Exporter {
     tx: mpsc::Sender<Vec<Record>>,
+    /// Asks the export task to send what it holds now, and to answer once it has.
+    flush: mpsc::Sender<oneshot::Sender<()>>,
     ratio: f64,
     counters: Arc<TraceCounters>,
 }
@@ -228,18 +232,20 @@ impl Tracer {
                 .build(),
         );
         let (tx, rx) = mpsc::channel(QUEUE_TRACES);
+        let (flush, flushes) = mpsc::channel(FLUSH_ASKS);
         let counters = Arc::new(TraceCounters::default());
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| format!("tracing: the export thread's runtime: {e}"))?;
-        let task = export(exporter, rx, counters.clone());
+        let task = export(exporter, rx, flushes, counters.clone());
         std::thread::Builder::new()
             .name("kvgate-otlp".into())
             .spawn(move || runtime.block_on(task))
             .map_err(|e| format!("tracing: the export thread: {e}"))?;
         Ok(Tracer(Some(Arc::new(Exporter {
             tx,
+            flush,
             ratio: config.sample_ratio,
             counters,
         }))))
@@ -247,6 +253,20 @@ impl Tracer {
 
     pub fn enabled(&self) -> bool {
         self.0.is_some()
+    }
+
+    /// Sends the traces finished so far to the collector now rather than with the next batch,
+    /// waiting up to `within` (at a stop, so that the last requests' traces are not lost with the
+    /// process). True when they went (or tracing is off).
+    pub async fn flush(&self, within: Duration) -> bool {
+        let Some(export) = &self.0 else {
+            return true;
+        };
+        let (done, sent) = oneshot::channel();
+        if export.flush.try_send(done).is_err() {
+            return false;
+        }
+        matches!(tokio::time::timeout(within, sent).await, Ok(Ok(())))
     }
 
     pub fn counters(&self) -> Option<&TraceCounters> {
@@ -551,6 +571,7 @@ impl Drop for Span {
 async fn export(
     exporter: opentelemetry_otlp::SpanExporter,
     mut rx: mpsc::Receiver<Vec<Record>>,
+    mut flushes: mpsc::Receiver<oneshot::Sender<()>>,
     counters: Arc<TraceCounters>,
 ) {
     let scope = InstrumentationScope::builder("kvgate")
@@ -560,15 +581,30 @@ async fn export(
     let mut last_warning: Option<Instant> = None;
     let mut dropped_seen = 0;
     let mut backlog = false;
+    // Flushes asked for: answered once the task has sent everything queued before them.
+    let mut asked: Vec<oneshot::Sender<()>> = Vec::new();
     loop {
         // Idle, the task waits for a trace; then it sleeps while more arrive (a sleeping
         // receiver is not woken by each send) and takes them all at once. Behind (the last
-        // batch was full), it takes the next batch at once.
+        // batch was full), it takes the next batch at once. A flush cuts the wait short.
         if !backlog {
-            if rx.recv_many(&mut traces, 1).await == 0 {
-                return; // every sender is gone and the queue is empty
+            if asked.is_empty() {
+                tokio::select! {
+                    n = rx.recv_many(&mut traces, 1) => {
+                        if n == 0 {
+                            return; // every sender is gone and the queue is empty
+                        }
+                        tokio::select! {
+                            () = tokio::time::sleep(FLUSH) => {}
+                            Some(ask) = flushes.recv() => asked.push(ask),
+                        }
+                    }
+                    Some(ask) = flushes.recv() => asked.push(ask),
+                }
             }
-            tokio::time::sleep(FLUSH).await;
+            while let Ok(ask) = flushes.try_recv() {
+                asked.push(ask);
+            }
         }
         let mut spans: usize = traces.iter().map(Vec::len).sum();
         let mut closed = false;
@@ -586,6 +622,9 @@ async fn export(
         }
         backlog = spans >= BATCH_SPANS;
         if traces.is_empty() {
+            for ask in asked.drain(..) {
+                let _ = ask.send(());
+            }
             if closed {
                 return;
             }
@@ -614,6 +653,11 @@ async fn export(
                     last_warning = Some(Instant::now());
                     tracing::warn!(error = %e, spans = n, "trace export failed; spans lost");
                 }
+            }
+        }
+        if !backlog {
+            for ask in asked.drain(..) {
+                let _ = ask.send(());
             }
         }
     }
@@ -795,6 +839,82 @@ mod tests {
         held.abort();
     }
 
+    /// A flush returns once the traces finished before it are at the collector; with tracing
+    /// off it has nothing to do.
+    #[tokio::test]
+    async fn a_flush_sends_the_finished_traces_before_it_returns() {
+        use std::sync::atomic::AtomicUsize;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        assert!(
+            Tracer::start(&TracingConfig::default(), "x")
+                .unwrap()
+                .flush(Duration::from_secs(1))
+                .await
+        );
+        // A collector that answers every export with an empty success and counts them.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let exports = Arc::new(AtomicUsize::new(0));
+        let counted = exports.clone();
+        let collector = tokio::spawn(async move {
+            loop {
+                let (mut conn, _) = listener.accept().await.unwrap();
+                let counted = counted.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    loop {
+                        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            match conn.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let len: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse().ok())
+                            .unwrap_or(0);
+                        while buf.len() < end + 4 + len {
+                            match conn.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        }
+                        buf.drain(..end + 4 + len);
+                        counted.fetch_add(1, Ordering::SeqCst);
+                        let ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n";
+                        if conn.write_all(ok).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let config = TracingConfig {
+            otlp_endpoint: Some(format!("http://{addr}")),
+            ..TracingConfig::default()
+        };
+        let tracer = Tracer::start(&config, "x").unwrap();
+        drop(
+            tracer
+                .trace("request", SpanKind::Server, None, false)
+                .unwrap(),
+        );
+        assert!(tracer.flush(Duration::from_secs(5)).await);
+        assert_eq!(exports.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            tracer.counters().unwrap().exported.load(Ordering::Relaxed),
+            1
+        );
+        // Nothing left: the next flush answers at once and sends nothing.
+        assert!(tracer.flush(Duration::from_secs(5)).await);
+        assert_eq!(exports.load(Ordering::SeqCst), 1);
+        collector.abort();
+    }
+
     #[test]
     fn status_messages_are_bounded() {
         assert_eq!(status_message("short".into()), "short");
@@ -818,6 +938,7 @@ mod tests {
         let export = |ratio| {
             Tracer(Some(Arc::new(Exporter {
                 tx: tx.clone(),
+                flush: mpsc::channel(1).0,
                 ratio,
                 counters: Arc::default(),
             })))
