@@ -137,7 +137,15 @@ pub async fn serve_gateway(
     };
     let admin_task = tokio::spawn(gw.clone().run_admin(admin, wait(stop_rx)));
     shutdown_signal().await;
-    tracing::info!("shutting down: finishing requests in flight");
+    // A grace first: health says stopping and answers close their connections, while requests
+    // sent as the stop began are still taken; then the listeners close.
+    let grace = std::time::Duration::from_millis(gw.config.stop_grace_ms);
+    tracing::info!(
+        grace_ms = grace.as_millis() as u64,
+        "shutting down: health reports stopping; then finishing requests in flight"
+    );
+    gw.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(grace).await;
     let _ = stop_tx.send(true);
     let api = tokio::task::spawn_blocking(move || api.join()).await;
     let admin = admin_task.await;

@@ -55,6 +55,12 @@ pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<RespBo
 }
 
 fn health(gw: &Gateway) -> Response<RespBody> {
+    if gw.stopping.load(std::sync::atomic::Ordering::Relaxed) {
+        return json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{\"status\":\"stopping\"}".to_owned(),
+        );
+    }
     let now = now_ms();
     let routable = gw.registry.all().iter().filter(|e| e.routable(now)).count();
     let status = if routable > 0 {

@@ -23,6 +23,8 @@
 //! max_connections = 4096             # client connections held at once
 //! api_threads = 0                    # threads serving the tenants' API; 0: one per CPU
 //! stall_timeout_secs = 30            # a client that stops reading its answer is cut off
+//! stop_grace_ms = 1000               # at a stop: still serving (health 503, connections closed
+//!                                    # after each answer) before the listeners close
 //! [routing]
 //! policy = "prefix"                  # prefix | round_robin | least_loaded | consistent_hash
 //! load_factor = 1.25                 # bounded load: no engine above this x the mean in flight
@@ -100,6 +102,11 @@ pub struct GatewayConfig {
     /// cancels the request on the engine).
     #[serde(default = "default_header_timeout")]
     pub stall_timeout_secs: u64,
+    /// At a graceful stop, how long the gateway goes on serving before its listeners close:
+    /// `/health` answers 503 and every answer closes its connection, so that load balancers and
+    /// clients leave, and a request sent as the stop began is served rather than cut.
+    #[serde(default = "default_stop_grace_ms")]
+    pub stop_grace_ms: u64,
     /// How long a verified API key is trusted without asking the store again.
     #[serde(default = "default_key_ttl")]
     pub key_cache_ttl_secs: u64,
@@ -161,6 +168,9 @@ fn default_timeout() -> u64 {
 }
 fn default_first_byte_timeout() -> u64 {
     120
+}
+fn default_stop_grace_ms() -> u64 {
+    1000
 }
 fn default_header_timeout() -> u64 {
     30
@@ -337,6 +347,7 @@ impl std::fmt::Debug for GatewayConfig {
             .field("header_timeout_secs", &self.header_timeout_secs)
             .field("max_connections", &self.max_connections)
             .field("stall_timeout_secs", &self.stall_timeout_secs)
+            .field("stop_grace_ms", &self.stop_grace_ms)
             .field("key_cache_ttl_secs", &self.key_cache_ttl_secs)
             .field("routing", &self.routing)
             .field("engines", &self.engines)

@@ -16,7 +16,7 @@ use kvgate_protocol::openai::ApiError;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -34,7 +34,9 @@ pub fn stack(
     impl Service<Req, Response = Resp, Error = Infallible, Future: Send> + Clone + Send + 'static,
 > {
     let svc = ServiceBuilder::new()
-        .layer(RequestIdLayer)
+        .layer(RequestIdLayer {
+            stopping: gw.stopping.clone(),
+        })
         .layer(TraceLayer {
             tracer: gw.tracer.clone(),
         })
@@ -63,14 +65,21 @@ fn take_ready<S: Clone>(inner: &mut S) -> S {
     std::mem::replace(inner, fresh)
 }
 
-/// Gives each request its [`RequestId`] and echoes it in the answer's `x-request-id`.
-#[derive(Debug, Clone, Copy)]
-pub struct RequestIdLayer;
+/// Gives each request its [`RequestId`] and echoes it in the answer's `x-request-id`; once the
+/// gateway is stopping, each answer also closes its connection (`connection: close`), so that
+/// kept-alive clients reconnect elsewhere before the listeners close.
+#[derive(Debug, Clone, Default)]
+pub struct RequestIdLayer {
+    pub stopping: Arc<AtomicBool>,
+}
 
 impl<S> Layer<S> for RequestIdLayer {
     type Service = RequestIdService<S>;
     fn layer(&self, inner: S) -> Self::Service {
-        RequestIdService { inner }
+        RequestIdService {
+            inner,
+            stopping: self.stopping.clone(),
+        }
     }
 }
 
@@ -128,6 +137,7 @@ impl<S> Layer<S> for AuthLayer {
 #[derive(Debug, Clone)]
 pub struct RequestIdService<S> {
     inner: S,
+    stopping: Arc<AtomicBool>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(0);
@@ -165,10 +175,17 @@ where
             .map_or_else(|| Arc::from(new_request_id()), Arc::from);
         req.extensions_mut().insert(RequestId(id.clone()));
         let mut inner = take_ready(&mut self.inner);
+        let stopping = self.stopping.clone();
         Box::pin(async move {
             let mut resp = inner.call(req).await?;
             if let Ok(v) = header::HeaderValue::from_str(&id) {
                 resp.headers_mut().insert("x-request-id", v);
+            }
+            if stopping.load(Ordering::Relaxed) {
+                resp.headers_mut().insert(
+                    header::CONNECTION,
+                    header::HeaderValue::from_static("close"),
+                );
             }
             Ok(resp)
         })
@@ -403,7 +420,6 @@ impl Service<Req> for ApiService {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicBool;
 
     /// A service that is ready only while its gate is open, like a concurrency limit.
     #[derive(Clone)]
@@ -431,7 +447,7 @@ mod tests {
     fn layers_forward_the_inner_services_readiness() {
         let open = Arc::new(AtomicBool::new(false));
         let mut svc = ServiceBuilder::new()
-            .layer(RequestIdLayer)
+            .layer(RequestIdLayer::default())
             .layer(TraceLayer::default())
             .layer(BodyLimitLayer { limit: 16 })
             .service(Gate(open.clone()));

@@ -47,6 +47,9 @@ pub struct Gateway {
     pub budget_alerts: std::sync::Mutex<std::collections::HashSet<(String, String, u8)>>,
     /// Each request's spans, exported over OTLP when `[tracing]` names an endpoint.
     pub tracer: kvgate_http::trace::Tracer,
+    /// Set when a graceful stop begins: `/health` answers 503 and each answer closes its
+    /// connection, through the stop's grace.
+    pub stopping: Arc<std::sync::atomic::AtomicBool>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -101,6 +104,7 @@ impl Gateway {
             max_prompt_bytes: max_prompt_bytes(&renderer, config.context_tokens()),
             background: tokio::runtime::Handle::current(),
             pending_releases: Arc::default(),
+            stopping: Arc::default(),
             ledger: Arc::default(),
             operators: Operators::new(store.clone(), &pepper, config.operator_token.clone()),
             budget_alerts: Default::default(),

@@ -194,3 +194,69 @@ fn tenant_rewrites_scope_and_system_prompt() {
         .unwrap();
     assert!(cached >= 32, "prefix reuse across A's requests: {cached}");
 }
+
+/// The status line and headers (lowercase) of one request on a kept-alive connection: no
+/// `connection: close` from the client, so any in the answer is the server's.
+fn keep_alive_head(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    auth: &str,
+    body: &str,
+) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .unwrap();
+    let auth = if auth.is_empty() {
+        String::new()
+    } else {
+        format!("authorization: Bearer {auth}\r\n")
+    };
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\n{auth}content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).expect("write");
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") && s.read(&mut byte).unwrap_or(0) == 1 {
+        head.push(byte[0]);
+    }
+    String::from_utf8_lossy(&head).to_ascii_lowercase()
+}
+
+#[test]
+fn a_stopping_gateway_reports_it_and_closes_each_connection_after_its_answer() {
+    let engine = gated_engine("blocks = 256");
+    let gw = TestGateway::start(config(&[("e0", engine.addr)]), StoreKind::Memory);
+    gw.wait_ready(1);
+    let key = gw.tenant("acme", json!({"name": "Acme"}));
+    let body = chat_body(None, "What is the capital of France?", r#","max_tokens":2"#);
+    let chat = |auth: &str| keep_alive_head(gw.addr, "POST", "/v1/chat/completions", auth, &body);
+    let head = chat(&key);
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(!head.contains("connection: close"), "{head}");
+    let head = keep_alive_head(gw.addr, "GET", "/health", "", "");
+    assert!(
+        head.starts_with("http/1.1 200") && !head.contains("connection: close"),
+        "{head}"
+    );
+    // The stop's grace (what `kvgate gateway` does on SIGTERM before its listeners close): a
+    // request sent now is still answered, and its connection closed after it, so a kept-alive
+    // client reconnects elsewhere; the health check tells load balancers to go.
+    gw.gw
+        .stopping
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let health = request(gw.addr, "GET", "/health", &[], "");
+    assert_eq!(health.status, 503, "{}", health.body);
+    assert_eq!(health.json()["status"], "stopping");
+    let head = chat(&key);
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("connection: close"), "{head}");
+    let head = chat("");
+    assert!(
+        head.starts_with("http/1.1 401") && head.contains("connection: close"),
+        "{head}"
+    );
+}
