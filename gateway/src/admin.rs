@@ -125,8 +125,11 @@ pub async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<RespBod
         }
         return error_response(&e);
     }
-    // The action and its audit entry run to the end even when the caller hangs up midway.
+    // The action and its audit entry run to the end even when the caller hangs up midway (and
+    // a graceful stop waits for them).
+    let running = gw.admin_action();
     let task = tokio::spawn(async move {
+        let _running = running;
         let mut note = Note::default();
         let result = admin(gw.clone(), req, &path, &mut note).await;
         if method != Method::GET {

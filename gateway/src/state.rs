@@ -50,6 +50,19 @@ pub struct Gateway {
     /// Set when a graceful stop begins: `/health` answers 503 and each answer closes its
     /// connection, through the stop's grace.
     pub stopping: Arc<std::sync::atomic::AtomicBool>,
+    /// Admin actions running (each runs to its end even when its caller hangs up): a stop
+    /// waits for them.
+    pub admin_actions: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// One admin action running, counted in [`Gateway::admin_actions`] until dropped.
+#[derive(Debug)]
+pub struct AdminAction(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for AdminAction {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -105,6 +118,7 @@ impl Gateway {
             background: tokio::runtime::Handle::current(),
             pending_releases: Arc::default(),
             stopping: Arc::default(),
+            admin_actions: Arc::default(),
             ledger: Arc::default(),
             operators: Operators::new(store.clone(), &pepper, config.operator_token.clone()),
             budget_alerts: Default::default(),
@@ -230,19 +244,32 @@ impl Gateway {
         Ok(here || stored)
     }
 
-    /// Waits up to `limit` for the rate-limit releases and the usage records still on their
-    /// way to the store (at a stop), and logs what did not get there; then sends the last
-    /// traces to the collector.
+    /// Counts an admin action as running until the guard is dropped.
+    pub fn admin_action(&self) -> AdminAction {
+        self.admin_actions
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        AdminAction(self.admin_actions.clone())
+    }
+
+    /// Waits up to `limit` for the admin actions still running (their callers may have hung
+    /// up), then for the rate-limit releases and the usage records still on their way to the
+    /// store (at a stop), and logs what did not finish; then sends the last traces to the
+    /// collector.
     pub async fn settle(&self, limit: std::time::Duration) {
+        use std::sync::atomic::Ordering::SeqCst;
         let deadline = tokio::time::Instant::now() + limit;
-        let releases = || {
-            self.pending_releases
-                .load(std::sync::atomic::Ordering::SeqCst)
-        };
-        while (releases() > 0 || self.ledger.pending() > 0)
+        let releases = || self.pending_releases.load(SeqCst);
+        let actions = || self.admin_actions.load(SeqCst);
+        while (actions() > 0 || releases() > 0 || self.ledger.pending() > 0)
             && tokio::time::Instant::now() < deadline
         {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        if actions() > 0 {
+            tracing::warn!(
+                actions = actions(),
+                "admin actions still running at the stop; they and their audit entries are cut"
+            );
         }
         if releases() > 0 {
             tracing::warn!(

@@ -195,6 +195,15 @@ fn tenant_rewrites_scope_and_system_prompt() {
     assert!(cached >= 32, "prefix reuse across A's requests: {cached}");
 }
 
+/// A gateway in front of one engine (`e0`), and a key of tenant `acme`.
+fn one_engine_and_acme() -> (kvgate_tests::Engine, TestGateway, String) {
+    let engine = gated_engine("blocks = 256");
+    let gw = TestGateway::start(config(&[("e0", engine.addr)]), StoreKind::Memory);
+    gw.wait_ready(1);
+    let key = gw.tenant("acme", json!({"name": "Acme"}));
+    (engine, gw, key)
+}
+
 /// The status line and headers (lowercase) of one request on a kept-alive connection: no
 /// `connection: close` from the client, so any in the answer is the server's.
 fn keep_alive_head(
@@ -228,10 +237,7 @@ fn keep_alive_head(
 
 #[test]
 fn a_stopping_gateway_reports_it_and_closes_each_connection_after_its_answer() {
-    let engine = gated_engine("blocks = 256");
-    let gw = TestGateway::start(config(&[("e0", engine.addr)]), StoreKind::Memory);
-    gw.wait_ready(1);
-    let key = gw.tenant("acme", json!({"name": "Acme"}));
+    let (_engine, gw, key) = one_engine_and_acme();
     let body = chat_body(None, "What is the capital of France?", r#","max_tokens":2"#);
     let chat = |auth: &str| keep_alive_head(gw.addr, "POST", "/v1/chat/completions", auth, &body);
     let head = chat(&key);
@@ -259,4 +265,68 @@ fn a_stopping_gateway_reports_it_and_closes_each_connection_after_its_answer() {
         head.starts_with("http/1.1 401") && head.contains("connection: close"),
         "{head}"
     );
+}
+
+#[test]
+fn a_stop_waits_for_an_admin_action_whose_caller_hung_up() {
+    use std::io::Write;
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+    let (_engine, gw, key) = one_engine_and_acme();
+    // A long answer in flight, then a drain that waits for it, whose caller hangs up at once.
+    let long = {
+        let (addr, auth) = (gw.addr, format!("Bearer {key}"));
+        let body = chat_body(
+            None,
+            "Tell me a story.",
+            r#","max_tokens":160,"ignore_eos":true"#,
+        );
+        std::thread::spawn(move || {
+            request(
+                addr,
+                "POST",
+                "/v1/chat/completions",
+                &[("authorization", &auth)],
+                &body,
+            )
+        })
+    };
+    let in_flight = || {
+        gw.gw
+            .registry
+            .all()
+            .iter()
+            .map(|e| e.inflight.load(Ordering::SeqCst))
+            .sum::<u64>()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while in_flight() == 0 {
+        assert!(Instant::now() < deadline, "the long answer never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut hung_up = std::net::TcpStream::connect(gw.admin_addr).unwrap();
+    write!(
+        hung_up,
+        "POST /admin/engines/e0/drain?wait=60 HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {}\r\ncontent-length: 0\r\n\r\n",
+        kvgate_tests::OPERATOR
+    )
+    .unwrap();
+    while gw.gw.admin_actions.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the drain never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(hung_up);
+    // The stop's settling waits for the drain (which waits for the answer) and its audit entry.
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(gw.gw.settle(Duration::from_secs(120)));
+    assert_eq!(gw.gw.admin_actions.load(Ordering::SeqCst), 0);
+    assert_eq!(in_flight(), 0);
+    let audit = gw.admin("GET", "/admin/audit?limit=100", "").json();
+    let drained = audit["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e["action"] == "engine.drain" && e["status"] == 200);
+    assert!(drained, "{audit}");
+    assert_eq!(long.join().unwrap().status, 200);
 }
