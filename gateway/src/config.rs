@@ -24,7 +24,7 @@
 //! api_threads = 0                    # threads serving the tenants' API; 0: one per CPU
 //! stall_timeout_secs = 30            # a client that stops reading its answer is cut off
 //! stop_grace_ms = 1000               # at a stop: still serving (health 503, connections closed
-//!                                    # after each answer) before the listeners close
+//!                                    # after each answer) before the listeners close; <= 60000
 //! [routing]
 //! policy = "prefix"                  # prefix | round_robin | least_loaded | consistent_hash
 //! load_factor = 1.25                 # bounded load: no engine above this x the mean in flight
@@ -169,6 +169,9 @@ fn default_timeout() -> u64 {
 fn default_first_byte_timeout() -> u64 {
     120
 }
+/// Longest `stop_grace_ms`: a stop that serves on for longer is a misconfiguration.
+const MAX_STOP_GRACE_MS: u64 = 60_000;
+
 fn default_stop_grace_ms() -> u64 {
     1000
 }
@@ -273,6 +276,12 @@ impl GatewayConfig {
         }
         if self.max_body_bytes == 0 || self.request_timeout_secs == 0 {
             return Err("max_body_bytes and request_timeout_secs: must be positive".into());
+        }
+        if self.stop_grace_ms > MAX_STOP_GRACE_MS {
+            return Err(format!(
+                "stop_grace_ms: at most {MAX_STOP_GRACE_MS} (got {})",
+                self.stop_grace_ms
+            ));
         }
         if self.first_byte_timeout_secs == 0
             || self.header_timeout_secs == 0
@@ -424,6 +433,20 @@ mod tests {
             assert!(!shown.contains(secret), "{secret} leaked: {shown}");
         }
         assert!(shown.contains("redis://kvgate:***@redis:6379/0"), "{shown}");
+    }
+
+    #[test]
+    fn a_stop_grace_past_a_minute_is_refused() {
+        let mut c = GatewayConfig {
+            pepper: Some("pepper-0123456789abcdef".into()),
+            ..GatewayConfig::default()
+        };
+        assert_eq!(c.stop_grace_ms, 1000);
+        c.stop_grace_ms = 0;
+        assert_eq!(c.validate(), Ok(()));
+        c.stop_grace_ms = MAX_STOP_GRACE_MS + 1;
+        let e = c.validate().unwrap_err();
+        assert!(e.starts_with("stop_grace_ms:"), "{e}");
     }
 
     #[test]
