@@ -202,7 +202,8 @@ pub struct Worker<B: Backend> {
     stall_timeout: Duration,
     /// Step time against step size, measured on every forward pass.
     cost: StepCost,
-    /// The forward pass's recent time (a running mean): the grammar masks' budget per step.
+    /// The recent time of a forward pass that only decodes (a running mean): the grammar masks'
+    /// budget per step.
     forward_secs: f64,
     /// The load report last published, and when.
     published_load: Option<(Instant, LoadReport)>,
@@ -565,14 +566,13 @@ impl<B: Backend> Worker<B> {
         self.cost
             .observe(plan.num_tokens(), started.elapsed().as_secs_f64());
         let vocab = self.model.config().vocab_size;
+        // Each mask's tenant, known before sampling may end its request.
         let tenants: Vec<Option<TenantId>> = measured
             .iter()
             .map(|((g, _), _)| {
-                self.requests
-                    .get(g)
-                    .and_then(|r| self.tenants.get(&r.tenant))
+                let r = self.requests.get(g)?;
+                self.tenants.get(&r.tenant).copied()
             })
-            .map(Option::<&TenantId>::copied)
             .collect();
         for (k, item) in sampled.iter().enumerate() {
             let row = &logits[k * vocab..(k + 1) * vocab];

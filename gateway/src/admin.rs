@@ -127,7 +127,7 @@ pub async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<RespBod
     }
     // The action and its audit entry run to the end even when the caller hangs up midway (and
     // a graceful stop waits for them).
-    let running = gw.admin_action();
+    let running = crate::state::InFlight::start(&gw.admin_actions);
     let task = tokio::spawn(async move {
         let _running = running;
         let mut note = Note::default();

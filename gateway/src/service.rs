@@ -66,8 +66,9 @@ fn take_ready<S: Clone>(inner: &mut S) -> S {
 }
 
 /// Gives each request its [`RequestId`] and echoes it in the answer's `x-request-id`; once the
-/// gateway is stopping, each answer also closes its connection (`connection: close`), so that
-/// kept-alive clients reconnect elsewhere before the listeners close.
+/// gateway is stopping, the answer to each request that arrives also closes its connection
+/// (`connection: close`), so that kept-alive clients reconnect elsewhere before the listeners
+/// close.
 #[derive(Debug, Clone, Default)]
 pub struct RequestIdLayer {
     pub stopping: Arc<AtomicBool>,
@@ -175,13 +176,15 @@ where
             .map_or_else(|| Arc::from(new_request_id()), Arc::from);
         req.extensions_mut().insert(RequestId(id.clone()));
         let mut inner = take_ready(&mut self.inner);
-        let stopping = self.stopping.clone();
+        // Read as the request arrives (no per-request handle on the flag): the requests the stop's
+        // grace exists for arrive after it began.
+        let stopping = self.stopping.load(Ordering::Relaxed);
         Box::pin(async move {
             let mut resp = inner.call(req).await?;
             if let Ok(v) = header::HeaderValue::from_str(&id) {
                 resp.headers_mut().insert("x-request-id", v);
             }
-            if stopping.load(Ordering::Relaxed) {
+            if stopping {
                 resp.headers_mut().insert(
                     header::CONNECTION,
                     header::HeaderValue::from_static("close"),

@@ -55,11 +55,19 @@ pub struct Gateway {
     pub admin_actions: Arc<std::sync::atomic::AtomicUsize>,
 }
 
-/// One admin action running, counted in [`Gateway::admin_actions`] until dropped.
+/// One piece of work a graceful stop waits for (a rate-limit release, an admin action),
+/// counted from [`InFlight::start`] until dropped: done, failed, or its task cancelled.
 #[derive(Debug)]
-pub struct AdminAction(Arc<std::sync::atomic::AtomicUsize>);
+pub struct InFlight(Arc<std::sync::atomic::AtomicUsize>);
 
-impl Drop for AdminAction {
+impl InFlight {
+    pub fn start(count: &Arc<std::sync::atomic::AtomicUsize>) -> InFlight {
+        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        InFlight(count.clone())
+    }
+}
+
+impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
@@ -242,13 +250,6 @@ impl Gateway {
         self.metrics.forget_engine(name);
         self.router.forget_homes();
         Ok(here || stored)
-    }
-
-    /// Counts an admin action as running until the guard is dropped.
-    pub fn admin_action(&self) -> AdminAction {
-        self.admin_actions
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        AdminAction(self.admin_actions.clone())
     }
 
     /// Waits up to `limit` for the admin actions still running (their callers may have hung

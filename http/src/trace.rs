@@ -622,9 +622,7 @@ async fn export(
         }
         backlog = spans >= BATCH_SPANS;
         if traces.is_empty() {
-            for ask in asked.drain(..) {
-                let _ = ask.send(());
-            }
+            answer(&mut asked);
             if closed {
                 return;
             }
@@ -656,10 +654,15 @@ async fn export(
             }
         }
         if !backlog {
-            for ask in asked.drain(..) {
-                let _ = ask.send(());
-            }
+            answer(&mut asked);
         }
+    }
+}
+
+/// Tells each flush asked for that what was queued before it has been sent.
+fn answer(asked: &mut Vec<oneshot::Sender<()>>) {
+    for ask in asked.drain(..) {
+        let _ = ask.send(());
     }
 }
 

@@ -88,6 +88,11 @@ impl Scheduler {
     /// The samples of running groups whose decode waits this step (see the module docs).
     pub(super) fn mask_deferred(&mut self) -> HashSet<SeqId> {
         let mut out = HashSet::new();
+        // No constrained sample is running: nothing can wait, and no step pays for this.
+        if self.masks.cost.is_empty() {
+            self.masks.credit.clear();
+            return out;
+        }
         let mut active: HashSet<TenantId> = HashSet::new();
         let mut prefilling = false;
         let mut decoding = 0usize;
@@ -153,6 +158,9 @@ impl Scheduler {
 
     /// Notes that the constrained samples among `decoded` decode in this step.
     pub(super) fn mask_turns(&mut self, decoded: impl Iterator<Item = SeqId>) {
+        if self.masks.cost.is_empty() {
+            return;
+        }
         let step = self.stats.steps;
         for seq in decoded {
             if self.masks.cost.contains_key(&seq) {

@@ -10,12 +10,12 @@
 //! - [`Outcome`]: the request's status and duration in the metrics (499 when the client left
 //!   before an answer), and, once it was admitted, its record in the usage ledger.
 
-use crate::state::Gateway;
+use crate::state::{Gateway, InFlight};
 use crate::tenant::RateLimits;
 use crate::upstream::{now_ms, Engine};
 use crate::usage::{self, Ending, Prices, UsageRecord};
 use kvgate_http::trace::{Attr, Trace};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -137,7 +137,9 @@ impl Lease {
         let owed = self.owed;
         // Counted from now (not from when the task first runs), so a stop that begins in
         // between still waits for it; uncounted when the task ends or is dropped unfinished.
-        let pending = PendingRelease::start(&gw.pending_releases);
+        // Counted in `pending_releases` (which a graceful stop waits on) until done, failed, or
+        // its task cancelled.
+        let pending = InFlight::start(&gw.pending_releases);
         let (tried, answer) = tokio::sync::oneshot::channel();
         self.gw.background.spawn(async move {
             let _pending = pending;
@@ -233,23 +235,6 @@ impl Drop for Admitting {
             let buckets = std::mem::take(&mut self.buckets);
             drop(Lease::unrenewed(&self.gw, buckets.into(), self.id.clone()));
         }
-    }
-}
-
-/// A release on its way to the store, counted in [`Gateway::pending_releases`] (which a graceful
-/// stop waits on) from its start until it is dropped: done, failed, or its task cancelled.
-struct PendingRelease(Arc<AtomicUsize>);
-
-impl PendingRelease {
-    fn start(count: &Arc<AtomicUsize>) -> PendingRelease {
-        count.fetch_add(1, Ordering::SeqCst);
-        PendingRelease(count.clone())
-    }
-}
-
-impl Drop for PendingRelease {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -425,14 +410,15 @@ impl Drop for Outcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicUsize;
 
     /// A release whose task is cancelled before the store answers is uncounted all the same, so
     /// a graceful stop never waits for it.
     #[tokio::test]
     async fn a_cancelled_release_is_uncounted() {
         let count = Arc::new(AtomicUsize::new(0));
-        let pending = PendingRelease::start(&count);
-        let done = PendingRelease::start(&count);
+        let pending = InFlight::start(&count);
+        let done = InFlight::start(&count);
         assert_eq!(count.load(Ordering::SeqCst), 2);
         let stuck = tokio::spawn(async move {
             let _pending = pending;
