@@ -22,7 +22,7 @@ pub mod simd;
 pub mod tensor;
 
 pub use attention::{dense_attention, DenseSeq};
-pub use matmul::{AVX2_GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS};
+pub use matmul::{quantized_x_max_rows, AVX2_GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS};
 pub use norm_rope::CpuRope;
 pub use simd::Isa;
 pub use tensor::{CpuCache, CpuTensor, CpuWeight, Store, WeightStore};

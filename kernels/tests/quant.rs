@@ -1,6 +1,7 @@
 //! `matmul` over Q8_0 and Q4_1 weights against a dequantize-then-multiply reference in f64, on
 //! every instruction set this CPU has, at the row counts of the integer path (decode and batches
-//! of decodes, up to `QUANT_GEMV_MAX_ROWS`) and of the widening GEMM (prefill).
+//! of decodes, up to `QUANT_GEMV_MAX_ROWS`; every row count on the AMX tile unit) and of the
+//! widening GEMM (prefill, without AMX).
 //!
 //! Tolerances:
 //! - GEMM (x stays f32): 1e-5 of `sum |x_p * w_p|`, as for dense weights.
@@ -12,7 +13,7 @@
 mod common;
 
 use common::{backends, random, rng};
-use kvgate_kernels::cpu::QUANT_GEMV_MAX_ROWS;
+use kvgate_kernels::cpu::{quantized_x_max_rows, QUANT_GEMV_MAX_ROWS};
 use kvgate_kernels::quant::{self, BlockQ4_1, BlockQ8_0, QuantBlock, QK};
 use kvgate_kernels::{Backend, Cpu, Quant, WeightData};
 
@@ -41,7 +42,7 @@ fn check(cpu: &Cpu, seed: u64, m: usize, n: usize, k: usize, q: Quant) {
     cpu.matmul(&cpu.upload(&x, m, k), &wt, None, &mut out);
     assert_eq!(cpu.shape(&out), (m, n));
     let got = cpu.download(&out);
-    let gemv = m <= QUANT_GEMV_MAX_ROWS;
+    let gemv = m <= quantized_x_max_rows(cpu.isa());
     for i in 0..m {
         let xr = &x[i * k..(i + 1) * k];
         for j in 0..n {
@@ -101,8 +102,15 @@ fn quantized_gemv_matches_the_dequantized_reference() {
 fn quantized_gemm_matches_the_dequantized_reference() {
     for cpu in backends() {
         for q in [Quant::Q8_0, Quant::Q4_1] {
+            // With AMX these run the integer path too: a partial group of 16 x rows past 64,
+            // a tail of weight rows past whole tiles, and a prefill-sized down projection.
             let m0 = QUANT_GEMV_MAX_ROWS + 1;
-            for &(m, n, k) in &[(m0, 577, 64), (m0 + 8, 33, 320), (2 * m0, 96, 576)] {
+            for &(m, n, k) in &[
+                (m0, 577, 64),
+                (m0 + 8, 33, 320),
+                (2 * m0, 96, 576),
+                (200, 48, 1536),
+            ] {
                 check(&cpu, 2, m, n, k, q);
             }
         }

@@ -40,7 +40,21 @@ pub const AVX2_GEMV_MAX_ROWS: usize = 64;
 /// Up to this many rows, quantized weights run the integer dot products against x quantized per
 /// block; beyond, the GEMM widens them while it packs. The integer path stays ahead well past
 /// decode: a batch of decodes reads each weight block once per tile of x rows from cache.
+/// On the AMX tile unit the integer path takes every row count ([`quantized_x_max_rows`]).
 pub const QUANT_GEMV_MAX_ROWS: usize = 64;
+
+/// Up to this many x rows, a matmul over quantized weights quantizes x per block and runs the
+/// integer dot products (llama.cpp's arithmetic); beyond, x stays f32 and the weights are
+/// widened. With AMX, every row count: a prefill's tile multiplies run far ahead of the f32
+/// GEMM (16 x 16 x 32 multiply-adds per instruction against 16 per FMA), and quantizing x costs
+/// one pass over it.
+pub fn quantized_x_max_rows(isa: Isa) -> usize {
+    if isa == Isa::Amx {
+        usize::MAX
+    } else {
+        QUANT_GEMV_MAX_ROWS
+    }
+}
 
 /// From this many rows, quantized weights run on the AMX tile unit where the CPU has one; a
 /// single token or two are bound by reading the weights, which the AVX2 kernel does as fast.
@@ -202,8 +216,8 @@ impl<B: QDot> Weights for Quantized<'_, B> {
         k / QK * B::QUANT.block_bytes()
     }
 
-    fn gemv_max_rows(&self, _: Isa) -> usize {
-        QUANT_GEMV_MAX_ROWS
+    fn gemv_max_rows(&self, isa: Isa) -> usize {
+        quantized_x_max_rows(isa)
     }
 
     unsafe fn range(
@@ -229,7 +243,7 @@ impl<B: QDot> Weights for Quantized<'_, B> {
 
 /// `out = x @ w^T` for quantized `w`: the GEMV quantizes x once, on the calling thread.
 fn run_quant<B: QDot>(isa: Isa, x: &[f32], w: &[B], d: Dims, out: &mut [f32]) {
-    if d.m <= QUANT_GEMV_MAX_ROWS && d.k > 0 {
+    if d.m <= quantized_x_max_rows(isa) && d.k > 0 {
         let amx = isa == Isa::Amx && d.m >= AMX_MIN_ROWS;
         quant::with_quantized_x(isa, x, d.m, d.k, amx, |xq, xp| {
             run(isa, x, &Quantized { w, xq, xp }, d, out)
@@ -264,7 +278,9 @@ fn run<W: Weights + ?Sized>(isa: Isa, x: &[f32], w: &W, d: Dims, out: &mut [f32]
     };
     let gemv = d.m <= w.gemv_max_rows(isa);
     let chunk = if gemv {
-        gemv_chunk(d.n, w.row_bytes(d.k), threads)
+        // Whole AMX tiles (16 rows of w) per task where the tile unit runs.
+        let rows = if isa == Isa::Amx { 16 } else { 8 };
+        gemv_chunk(d.n, w.row_bytes(d.k), threads, rows)
     } else {
         gemm_chunk(d.n, threads)
     };
@@ -284,13 +300,13 @@ fn run<W: Weights + ?Sized>(isa: Isa, x: &[f32], w: &W, d: Dims, out: &mut [f32]
     }
 }
 
-/// Columns per task for the GEMV, a multiple of 8 rows of w: one task per thread, and for large
-/// matrices up to four per thread, of at least `GEMV_TASK_BYTES` each, so a thread that is
+/// Columns per task for the GEMV, a multiple of `rows` rows of w: one task per thread, and for
+/// large matrices up to four per thread, of at least `GEMV_TASK_BYTES` each, so a thread that is
 /// descheduled for a while (a busy machine) does not hold up the whole call.
-fn gemv_chunk(n: usize, row_bytes: usize, threads: usize) -> usize {
+fn gemv_chunk(n: usize, row_bytes: usize, threads: usize, rows: usize) -> usize {
     let per_thread = (n * row_bytes / (GEMV_TASK_BYTES * threads)).clamp(1, 4);
     let tasks = per_thread * threads;
-    n.div_ceil(tasks).next_multiple_of(8).max(8)
+    n.div_ceil(tasks).next_multiple_of(rows).max(rows)
 }
 
 /// Columns per task for the GEMM: a multiple of the 32-wide microkernel panel, at most about

@@ -8,7 +8,8 @@
 //!   weights move their sign onto x first (`vpsignb`). The weights stream from memory in their
 //!   file size: 5 bits per weight for Q4_1, 8.5 for Q8_0.
 //! - **GEMM** (prefill, more rows): compute-bound, so the weights are widened to f32 while the AVX2 GEMM
-//!   packs its panels (once per call, then used by every x row) and x stays f32.
+//!   packs its panels (once per call, then used by every x row) and x stays f32. Where the CPU
+//!   has AMX-INT8, prefill runs the integer path too, on the tile unit (`amx`).
 //!
 //! AVX-512 CPUs run the AVX2 kernels (every CPU with AVX-512 has AVX2). The portable versions
 //! do the same integer arithmetic in plain Rust, and give the same result up to float rounding.
