@@ -132,7 +132,13 @@ pub(super) unsafe fn gemm<B: QDot>(
         // into `c`), and AMX is enabled per the caller.
         unsafe {
             asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly));
-            let mut c = Products([[0; GROUP]; 2 * ROWS]);
+            // Two buffers of products: while the tile unit multiplies the next blocks into one,
+            // AVX-512 scales the previous blocks' products out of the other.
+            let mut c = [
+                Products([[0; GROUP]; 2 * ROWS]),
+                Products([[0; GROUP]; 2 * ROWS]),
+            ];
+            let c = c.as_mut_ptr();
             let mut j = n0;
             while j < n1 {
                 let wt = w.as_ptr().add(j * nb);
@@ -142,21 +148,29 @@ pub(super) unsafe fn gemm<B: QDot>(
                 for g in 0..d.m.div_ceil(GROUP) {
                     let xg = xp.as_ptr().add(g * nb);
                     let mut acc = [_mm512_setzero_ps(); ROWS];
+                    // The blocks whose products wait in a buffer: (first block, count, buffer).
+                    let mut pending: Option<(usize, usize, usize)> = None;
+                    let mut buf = 0;
                     let mut b = 0;
                     while b < nb {
                         // Two blocks per tile pass, one for an odd last block.
                         let blocks = (nb - b).min(2);
                         let at = a.add(b * block_step);
+                        let cb = &mut *c.add(buf);
                         if blocks == 2 {
-                            tile_products::<B, 2>(at, stride, block_step, xg.add(b), &mut c);
+                            tile_products::<B, 2>(at, stride, block_step, xg.add(b), cb);
                         } else {
-                            tile_products::<B, 1>(at, stride, block_step, xg.add(b), &mut c);
+                            tile_products::<B, 1>(at, stride, block_step, xg.add(b), cb);
                         }
-                        for t in 0..blocks {
-                            let p = &c.0[t * ROWS..(t + 1) * ROWS];
-                            scale_block::<B>(p, &*xg.add(b + t), dw, mw, b + t, &mut acc);
+                        if let Some((pb, count, pbuf)) = pending {
+                            scale_blocks::<B>(&*c.add(pbuf), xg, pb, count, dw, mw, &mut acc);
                         }
+                        pending = Some((b, blocks, buf));
+                        buf ^= 1;
                         b += blocks;
+                    }
+                    if let Some((pb, count, pbuf)) = pending {
+                        scale_blocks::<B>(&*c.add(pbuf), xg, pb, count, dw, mw, &mut acc);
                     }
                     // acc[jj] holds weight row j + jj's outputs for the group's x rows; after
                     // the transpose acc[r] holds x row r's 16 outputs.
@@ -232,6 +246,25 @@ unsafe fn tile_products<B: QDot, const N: usize>(
             (_, true) => one!("tdpbssd"),
             (_, false) => one!("tdpbusd"),
         }
+    }
+}
+
+/// Adds the scaled products of `count` blocks from block `b` on (in `c`, one after the other) to
+/// `acc`, the group's packed x blocks at `xg`.
+#[inline(always)]
+unsafe fn scale_blocks<B: QDot>(
+    c: &Products,
+    xg: *const PackedX,
+    b: usize,
+    count: usize,
+    dw: &[f32],
+    mw: &[f32],
+    acc: &mut [__m512; ROWS],
+) {
+    for t in 0..count {
+        let p = &c.0[t * ROWS..(t + 1) * ROWS];
+        // SAFETY: per `gemm`: blocks b..b + count of the group are packed at xg.
+        unsafe { scale_block::<B>(p, &*xg.add(b + t), dw, mw, b + t, acc) };
     }
 }
 
