@@ -30,11 +30,23 @@ fn dequantized(data: &WeightData) -> Vec<f32> {
     }
 }
 
+/// `n` values whose 32-value blocks each have a scale of their own (0.05 to 4 times `amp`), so
+/// that a kernel that applies a neighbouring block's scale gets a visibly wrong answer.
+fn blocky(r: &mut rand::rngs::StdRng, n: usize, amp: f32, offset: f32) -> Vec<f32> {
+    use rand::Rng;
+    let mut v = random(r, n, amp);
+    for block in v.chunks_mut(QK) {
+        let scale: f32 = r.gen_range(0.05..4.0);
+        block.iter_mut().for_each(|x| *x = *x * scale + offset);
+    }
+    v
+}
+
 fn check(cpu: &Cpu, seed: u64, m: usize, n: usize, k: usize, q: Quant) {
     let mut r = rng(seed);
-    let x = random(&mut r, m * k, 1.0);
+    let x = blocky(&mut r, m * k, 1.0, 0.0);
     // Weights with an offset, so Q4_1's minimum matters.
-    let w: Vec<f32> = random(&mut r, n * k, 0.5).iter().map(|v| v + 0.1).collect();
+    let w = blocky(&mut r, n * k, 0.5, 0.1);
     let data = WeightData::quantized(&w, q);
     let wq = dequantized(&data);
     let wt = cpu.weight(data, n, k);
@@ -91,6 +103,10 @@ fn quantized_gemv_matches_the_dequantized_reference() {
                 (17, 40, 576),
                 (33, 35, 1536),
                 (QUANT_GEMV_MAX_ROWS, 64, 96),
+                // One block a row, and odd block counts past three.
+                (4, 32, 32),
+                (20, 48, 160),
+                (37, 17, 224),
             ] {
                 check(&cpu, 1, m, n, k, q);
             }
@@ -110,6 +126,9 @@ fn quantized_gemm_matches_the_dequantized_reference() {
                 (m0 + 8, 33, 320),
                 (2 * m0, 96, 576),
                 (200, 48, 1536),
+                (100, 50, 160),
+                // More rows than the AMX path quantizes at once: two passes.
+                (600, 40, 64),
             ] {
                 check(&cpu, 2, m, n, k, q);
             }
@@ -149,6 +168,49 @@ fn every_instruction_set_gives_the_portable_answer() {
                     cpu.name(),
                     portable.name()
                 );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_prefill_on_the_integer_path_matches_the_portable_integer_path_row_for_row() {
+    // Where the integer path takes more than QUANT_GEMV_MAX_ROWS rows (the AMX tile unit), a
+    // prefill must give what the portable integer path gives for the same rows in slices of at
+    // most QUANT_GEMV_MAX_ROWS: x is quantized per row, so only the f32 sums' order differs.
+    // Elsewhere such a prefill runs the widening GEMM, held to the reference above.
+    let all = backends();
+    let portable = &all[0];
+    for q in [Quant::Q8_0, Quant::Q4_1] {
+        for &(m, n, k) in &[(100, 40, 160), (600, 33, 64)] {
+            let mut r = rng(5);
+            let x = blocky(&mut r, m * k, 2.0, 0.0);
+            let w = blocky(&mut r, n * k, 1.0, 0.1);
+            let mut want = Vec::new();
+            let pw = portable.weight(WeightData::quantized(&w, q), n, k);
+            for rows in x.chunks(QUANT_GEMV_MAX_ROWS * k) {
+                let mut out = portable.tensor(0, 0);
+                portable.matmul(
+                    &portable.upload(rows, rows.len() / k, k),
+                    &pw,
+                    None,
+                    &mut out,
+                );
+                want.extend(portable.download(&out));
+            }
+            for cpu in all.iter().filter(|c| quantized_x_max_rows(c.isa()) >= m) {
+                let wt = cpu.weight(WeightData::quantized(&w, q), n, k);
+                let mut out = cpu.tensor(0, 0);
+                cpu.matmul(&cpu.upload(&x, m, k), &wt, None, &mut out);
+                for (i, (a, b)) in cpu.download(&out).iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                        "{} {q:?} m={m} n={n} k={k}: out[{}, {}] = {a}, portable {b}",
+                        cpu.name(),
+                        i / n,
+                        i % n
+                    );
+                }
             }
         }
     }

@@ -60,6 +60,11 @@ pub fn quantized_x_max_rows(isa: Isa) -> usize {
 /// single token or two are bound by reading the weights, which the AVX2 kernel does as fast.
 pub const AMX_MIN_ROWS: usize = 4;
 
+/// Most x rows quantized and packed at once on the AMX path: a longer prefill runs in slices of
+/// this many rows, so the per-thread buffers of quantized x stay bounded (about 2.5 bytes per
+/// activation value, kept for the thread's next call) whatever the prompt's length.
+const AMX_ROWS_PER_PASS: usize = 512;
+
 /// Weight bytes per GEMV task, beyond one task per thread.
 const GEMV_TASK_BYTES: usize = 1 << 20;
 
@@ -158,6 +163,11 @@ trait Weights: Sync {
     /// Bytes of one row of `k` values.
     fn row_bytes(&self, k: usize) -> usize;
 
+    /// The GEMV's tasks are cut at multiples of this many rows of w.
+    fn task_rows(&self, _: Isa, _: usize) -> usize {
+        8
+    }
+
     /// Up to this many x rows the GEMV runs, beyond it the GEMM.
     fn gemv_max_rows(&self, isa: Isa) -> usize {
         if isa == Isa::Avx2 {
@@ -220,6 +230,15 @@ impl<B: QDot> Weights for Quantized<'_, B> {
         quantized_x_max_rows(isa)
     }
 
+    /// Whole AMX tiles (16 rows of w) per task where the tile unit runs.
+    fn task_rows(&self, isa: Isa, m: usize) -> usize {
+        if isa == Isa::Amx && m >= AMX_MIN_ROWS {
+            16
+        } else {
+            8
+        }
+    }
+
     unsafe fn range(
         &self,
         isa: Isa,
@@ -243,6 +262,20 @@ impl<B: QDot> Weights for Quantized<'_, B> {
 
 /// `out = x @ w^T` for quantized `w`: the GEMV quantizes x once, on the calling thread.
 fn run_quant<B: QDot>(isa: Isa, x: &[f32], w: &[B], d: Dims, out: &mut [f32]) {
+    if isa == Isa::Amx && d.m > AMX_ROWS_PER_PASS && d.k > 0 {
+        // A long prefill in slices of rows (out is row-major, so each slice is contiguous).
+        for (xs, os) in x
+            .chunks(AMX_ROWS_PER_PASS * d.k)
+            .zip(out.chunks_mut(AMX_ROWS_PER_PASS * d.n))
+        {
+            let rows = Dims {
+                m: xs.len() / d.k,
+                ..d
+            };
+            run_quant(isa, xs, w, rows, os);
+        }
+        return;
+    }
     if d.m <= quantized_x_max_rows(isa) && d.k > 0 {
         let amx = isa == Isa::Amx && d.m >= AMX_MIN_ROWS;
         quant::with_quantized_x(isa, x, d.m, d.k, amx, |xq, xp| {
@@ -278,9 +311,7 @@ fn run<W: Weights + ?Sized>(isa: Isa, x: &[f32], w: &W, d: Dims, out: &mut [f32]
     };
     let gemv = d.m <= w.gemv_max_rows(isa);
     let chunk = if gemv {
-        // Whole AMX tiles (16 rows of w) per task where the tile unit runs.
-        let rows = if isa == Isa::Amx { 16 } else { 8 };
-        gemv_chunk(d.n, w.row_bytes(d.k), threads, rows)
+        gemv_chunk(d.n, w.row_bytes(d.k), threads, w.task_rows(isa, d.m))
     } else {
         gemm_chunk(d.n, threads)
     };

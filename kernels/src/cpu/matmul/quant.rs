@@ -1,6 +1,6 @@
 //! `out = x @ w^T` over block-quantized weights (Q8_0, Q4_1), as llama.cpp computes it:
 //!
-//! - **GEMV** (decode, and batches up to `QUANT_GEMV_MAX_ROWS` rows): each x row is quantized to 8 bits per 32-value block ([`BlockQ8x`]:
+//! - **GEMV** (decode, and batches up to `QUANT_GEMV_MAX_ROWS` rows; any row count with AMX): each x row is quantized to 8 bits per 32-value block ([`BlockQ8x`]:
 //!   i8 values, a scale `d` and `s = d * sum(q)`, both rounded through f16 as llama.cpp's
 //!   `q8_0`/`q8_1` blocks are). A weight block then costs one integer dot product of 32 pairs:
 //!   `d_w * d_x * sum(q_w * q_x)`, plus `m_w * s_x` for Q4_1's offset. With AVX2 the 32 products
@@ -486,7 +486,8 @@ pub(super) type Packed = super::amx::PackedX;
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) type Packed = ();
 
-/// Columns `n0..n1` of `out = x @ w^T` for small m, x already quantized.
+/// Columns `n0..n1` of `out = x @ w^T` for small m (any m on the AMX tile unit), x already
+/// quantized.
 ///
 /// # Safety
 /// `xq` holds `m * k / 32` blocks, `w` holds `n * k / 32`, and `out` points to `m * n` f32s of
@@ -537,7 +538,8 @@ pub(super) unsafe fn gemv_range<B: QDot>(
     }
 }
 
-/// Columns `n0..n1` of `out = x @ w^T` for many rows: f32 x against widened weights.
+/// Columns `n0..n1` of `out = x @ w^T` for many rows (without AMX): f32 x against widened
+/// weights.
 ///
 /// # Safety
 /// As for [`gemv_range`], with `x` holding `m * k` f32 values.
