@@ -311,6 +311,13 @@ unsafe fn pack_block<E: Elem>(
             let mut pc = 0;
             while pc < kc {
                 let kk = (kc - pc).min(16);
+                // The next 16 rows' values at these columns, into L2: each row gives a packed
+                // block only a few cache lines, too short a stream for the hardware prefetcher.
+                for i in 0..16 {
+                    let next = w.as_ptr().wrapping_add((j0 + 16 + i) * k + p0 + pc);
+                    // SAFETY: a prefetch is a hint and never faults, whatever the address.
+                    unsafe { _mm_prefetch::<_MM_HINT_T1>(next.cast()) };
+                }
                 for (i, row) in rows.iter_mut().enumerate() {
                     let j = j0 + i;
                     // SAFETY: row j < n exists and columns p0+pc..p0+pc+kk are inside it.
