@@ -22,7 +22,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::quant::{BlockQ8x, QDot};
-use super::Dims;
+use super::{Dims, NextTile};
 use crate::quant::QK;
 
 /// x rows per packed group (the tile's 16 i32 columns).
@@ -145,6 +145,10 @@ pub(super) unsafe fn gemm<B: QDot>(
                 let (dw, mw) = scales.split_at_mut(nb * ROWS);
                 B::amx_scales(wt, nb, dw.as_mut_ptr(), mw.as_mut_ptr());
                 let (a, block_step, stride) = B::amx_stage(wt, nb, bytes);
+                // The next 16 rows' blocks (they follow these in memory) into L2, at the pace
+                // the first group reads these.
+                let tile_bytes = ROWS * nb * std::mem::size_of::<B>();
+                let mut next = NextTile::new(wt, tile_bytes, j + ROWS < n1);
                 for g in 0..d.m.div_ceil(GROUP) {
                     let xg = xp.as_ptr().add(g * nb);
                     let mut acc = [_mm512_setzero_ps(); ROWS];
@@ -168,6 +172,9 @@ pub(super) unsafe fn gemm<B: QDot>(
                         pending = Some((b, blocks, buf));
                         buf ^= 1;
                         b += blocks;
+                        if g == 0 {
+                            next.keep_up(b * tile_bytes / nb);
+                        }
                     }
                     if let Some((pb, count, pbuf)) = pending {
                         scale_blocks::<B>(&*c.add(pbuf), xg, pb, count, dw, mw, &mut acc);
