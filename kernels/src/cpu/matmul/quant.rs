@@ -198,12 +198,14 @@ pub(crate) trait QDot: QuantBlock {
     #[cfg(target_arch = "x86_64")]
     unsafe fn weights256(&self) -> std::arch::x86_64::__m256i;
 
-    /// Eight i32 partial sums of `w_i * x_i` for [`QDot::weights256`]'s bytes and 32 i8 x.
+    /// Eight i32 partial sums of `w_i * x_i` for [`QDot::weights256`]'s bytes and 32 i8 x; with
+    /// `VNNI`, from one `vpdpbusd` (the same sums).
     ///
     /// # Safety
-    /// The CPU must support AVX2.
+    /// The CPU must support AVX2, and with `VNNI` AVX-512 VNNI and VL: inline it only where
+    /// they are enabled.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn idot256(
+    unsafe fn idot256<const VNNI: bool>(
         w: std::arch::x86_64::__m256i,
         x: std::arch::x86_64::__m256i,
     ) -> std::arch::x86_64::__m256i;
@@ -274,16 +276,21 @@ impl QDot for BlockQ8_0 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn idot256(
+    unsafe fn idot256<const VNNI: bool>(
         w: std::arch::x86_64::__m256i,
         x: std::arch::x86_64::__m256i,
     ) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
-        // SAFETY: register-only AVX2; |w| * (x * sign w) = w * x, and two products of at most
-        // 128 * 127 fit vpmaddubsw's i16 sums.
+        // SAFETY: register-only AVX2 (and VNNI/VL when asked for, per the caller);
+        // |w| * (x * sign w) = w * x, and two products of at most 128 * 127 fit vpmaddubsw's
+        // i16 sums.
         unsafe {
-            let p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-            _mm256_madd_epi16(p16, _mm256_set1_epi16(1))
+            let (a, b) = (_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+            if VNNI {
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b)
+            } else {
+                _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1))
+            }
         }
     }
 
@@ -361,13 +368,20 @@ impl QDot for BlockQ4_1 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn idot256(
+    unsafe fn idot256<const VNNI: bool>(
         w: std::arch::x86_64::__m256i,
         x: std::arch::x86_64::__m256i,
     ) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
-        // SAFETY: register-only AVX2; nibbles are u8 0..=15, so pair sums fit i16.
-        unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)) }
+        // SAFETY: register-only AVX2 (and VNNI/VL when asked for, per the caller); nibbles are
+        // u8 0..=15, so pair sums fit i16.
+        unsafe {
+            if VNNI {
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
+            } else {
+                _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
+            }
+        }
     }
 
     #[cfg(target_arch = "x86_64")]

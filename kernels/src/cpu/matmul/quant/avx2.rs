@@ -5,10 +5,12 @@
 //!   weights): register tiles of 1-2 x rows by 4 weight rows stream the weights once, and each
 //!   tile prefetches the next into L2 ([`gemv`]).
 //! - A batch (bound by the arithmetic): each tile of 4 weight rows is staged once ([`Stage`]),
-//!   then every pair of x rows is multiplied by the staged copy ([`gemm_staged`]). On AVX-512
-//!   CPUs with VNNI (Ice Lake, Sapphire Rapids, Zen 4), one `vpdpbusd` takes the place of the
-//!   `vpmaddubsw`/`vpmaddwd` pair: the same exact i32 sums (no pair of products here can
-//!   saturate `vpmaddubsw`'s i16), one instruction fewer per block and x row.
+//!   then every pair of x rows is multiplied by the staged copy ([`gemm_staged`]).
+//!
+//! On AVX-512 CPUs with VNNI (Ice Lake, Sapphire Rapids, Zen 4), both take one `vpdpbusd` in
+//! place of the `vpmaddubsw`/`vpmaddwd` pair ([`gemv_vnni`], [`gemm_staged_vnni`]): the same
+//! exact i32 sums (no pair of products here can saturate `vpmaddubsw`'s i16), one instruction
+//! fewer per block and x row.
 
 use std::cell::RefCell;
 
@@ -61,8 +63,22 @@ pub(super) unsafe fn range<B: QDot>(
             }
         })
     } else {
-        // SAFETY: forwarded from the caller.
-        unsafe { gemv(xq, w, d, n0, n1, out) }
+        let batch = Batch {
+            xq,
+            w,
+            d,
+            n0,
+            n1,
+            out,
+        };
+        // SAFETY: forwarded from the caller, VNNI checked by the caller when asked for.
+        unsafe {
+            if vnni {
+                gemv_vnni(&batch)
+            } else {
+                gemv(&batch)
+            }
+        }
     }
 }
 
@@ -196,7 +212,10 @@ unsafe fn staged_tiles<B: QDot, const VNNI: bool>(stage: &mut Stage, batch: &Bat
             j += STAGED_COLS;
         }
         if tiles < n1 {
-            gemv(xq, w, d, tiles, n1, out);
+            gemv_tiles::<B, VNNI>(&Batch {
+                n0: tiles,
+                ..*batch
+            });
         }
     }
 }
@@ -275,8 +294,31 @@ unsafe fn staged_tile<B: QDot, const R: usize, const VNNI: bool>(
     }
 }
 
+/// Columns `n0..n1` of `out = x @ w^T` streamed: register tiles of 1-2 x rows by 4 weight rows.
+///
+/// # Safety
+/// `xq` holds `m` rows of `k / 32` blocks, `w` holds `n` rows of them, `out` points to `m * n`
+/// f32s of which this call may write columns `n0..n1`, and the CPU supports AVX2/FMA/F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn gemv<B: QDot>(xq: &[BlockQ8x], w: &[B], d: Dims, n0: usize, n1: usize, out: *mut f32) {
+unsafe fn gemv<B: QDot>(batch: &Batch<'_, B>) {
+    // SAFETY: forwarded from the caller.
+    unsafe { gemv_tiles::<B, false>(batch) }
+}
+
+/// [`gemv`] with each block's sums from `vpdpbusd`.
+///
+/// # Safety
+/// As for [`gemv`], and the CPU must have AVX-512 VNNI and VL ([`vnni_usable`]).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn gemv_vnni<B: QDot>(batch: &Batch<'_, B>) {
+    // SAFETY: forwarded from the caller.
+    unsafe { gemv_tiles::<B, true>(batch) }
+}
+
+/// The body of [`gemv`] and [`gemv_vnni`], inlined into each with its features.
+#[inline(always)]
+unsafe fn gemv_tiles<B: QDot, const VNNI: bool>(batch: &Batch<'_, B>) {
+    let (xq, w, d, n0, n1, out) = (batch.xq, batch.w, batch.d, batch.n0, batch.n1, batch.out);
     let nb = d.k / QK;
     let (xp, wp) = (xq.as_ptr(), w.as_ptr());
     let mut j = n0;
@@ -290,10 +332,10 @@ unsafe fn gemv<B: QDot>(xq: &[BlockQ8x], w: &[B], d: Dims, n0: usize, n1: usize,
             unsafe {
                 let (xt, wt, ot) = (xp.add(i * nb), wp.add(j * nb), out.add(i * d.n + j));
                 match (mr, nr) {
-                    (2, 4) => qtile::<B, 2, 4>(xt, wt, nb, ot, d.n, i == 0),
-                    (1, 4) => qtile::<B, 1, 4>(xt, wt, nb, ot, d.n, i == 0),
-                    (2, _) => qtile::<B, 2, 1>(xt, wt, nb, ot, d.n, i == 0),
-                    _ => qtile::<B, 1, 1>(xt, wt, nb, ot, d.n, i == 0),
+                    (2, 4) => qtile::<B, 2, 4, VNNI>(xt, wt, nb, ot, d.n, i == 0),
+                    (1, 4) => qtile::<B, 1, 4, VNNI>(xt, wt, nb, ot, d.n, i == 0),
+                    (2, _) => qtile::<B, 2, 1, VNNI>(xt, wt, nb, ot, d.n, i == 0),
+                    _ => qtile::<B, 1, 1, VNNI>(xt, wt, nb, ot, d.n, i == 0),
                 }
             }
             i += mr;
@@ -304,7 +346,7 @@ unsafe fn gemv<B: QDot>(xq: &[BlockQ8x], w: &[B], d: Dims, n0: usize, n1: usize,
 
 /// `out[r * ldo + c] = dot(x row r, w row c)` for an `R x C` tile of rows `nb` blocks long.
 #[inline(always)]
-unsafe fn qtile<B: QDot, const R: usize, const C: usize>(
+unsafe fn qtile<B: QDot, const R: usize, const C: usize, const VNNI: bool>(
     x: *const BlockQ8x,
     w: *const B,
     nb: usize,
@@ -337,7 +379,7 @@ unsafe fn qtile<B: QDot, const R: usize, const C: usize>(
                 for c in 0..C {
                     // [d_w * d_x, m_w * s_x, 0, 0].
                     let prod = _mm_mul_ps(sc[c], xds);
-                    let p = _mm256_cvtepi32_ps(B::idot256(wv[c], xv));
+                    let p = _mm256_cvtepi32_ps(B::idot256::<VNNI>(wv[c], xv));
                     accr[c] = _mm256_fmadd_ps(p, _mm256_broadcastss_ps(prod), accr[c]);
                     if B::HAS_OFFSET {
                         // m_w * s_x into lane 0 (the lanes are summed at the end): source
