@@ -135,10 +135,9 @@ impl Lease {
         }
         let (gw, buckets, id) = (self.gw.clone(), self.buckets.clone(), self.id.clone());
         let owed = self.owed;
-        // Counted from now (not from when the task first runs), so a stop that begins in
-        // between still waits for it; uncounted when the task ends or is dropped unfinished.
-        // Counted in `pending_releases` (which a graceful stop waits on) until done, failed, or
-        // its task cancelled.
+        // Counted in `pending_releases` (which a graceful stop waits on) from now, not from when
+        // the task first runs, so a stop that begins in between still waits for it; uncounted
+        // when the task ends or is dropped unfinished.
         let pending = InFlight::start(&gw.pending_releases);
         let (tried, answer) = tokio::sync::oneshot::channel();
         self.gw.background.spawn(async move {

@@ -62,6 +62,18 @@ impl Isa {
         matches!(self, Isa::Avx512 | Isa::Amx)
     }
 
+    /// Whether the integer dot products take AVX-512 VNNI's `vpdpbusd`: an AVX-512 ISA on a CPU
+    /// with VNNI and VL (Ice Lake, Sapphire Rapids, Zen 4).
+    pub fn vnni(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            self.avx512() && has!("avx512vnni") && has!("avx512vl")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
     /// The instruction set a name (`portable`, `avx2`, `avx512`, `amx`) stands for.
     pub fn parse(name: &str) -> Option<Isa> {
         match name.trim().to_ascii_lowercase().as_str() {

@@ -528,7 +528,7 @@ pub(super) unsafe fn gemv_range<B: QDot>(
         unsafe {
             super::amx::gemm(xp, w, d, n0, tiles, out.0);
             if tiles < n1 {
-                avx2::range(xq, w, d, tiles, n1, out.0, avx2::vnni_usable());
+                avx2::range(xq, w, d, tiles, n1, out.0, isa.vnni());
             }
         }
         return;
@@ -536,10 +536,9 @@ pub(super) unsafe fn gemv_range<B: QDot>(
     let _ = xp;
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Portable {
-        let vnni = isa.avx512() && avx2::vnni_usable();
-        // SAFETY: every ISA above Portable has AVX2/FMA/F16C, and VNNI was checked; shapes
-        // per the caller.
-        unsafe { avx2::range(xq, w, d, n0, n1, out.0, vnni) };
+        // SAFETY: every ISA above Portable has AVX2/FMA/F16C, and `Isa::vnni` checks VNNI;
+        // shapes per the caller.
+        unsafe { avx2::range(xq, w, d, n0, n1, out.0, isa.vnni()) };
         return;
     }
     let _ = isa;

@@ -22,14 +22,8 @@ use crate::quant::QK;
 /// multiplies every x row by the staged copy; fewer rows stream the weights ([`gemv`]).
 const STAGED_MIN_ROWS: usize = 4;
 
-/// Whether this CPU has AVX-512 VNNI (with VL, for its 256-bit form).
-pub(super) fn vnni_usable() -> bool {
-    use std::arch::is_x86_feature_detected as has;
-    has!("avx512vnni") && has!("avx512vl")
-}
-
 /// Columns `n0..n1` of `out = x @ w^T` with AVX2, staged or streamed by the number of rows;
-/// `vnni`: a batch's block sums take `vpdpbusd` ([`vnni_usable`] must hold).
+/// `vnni`: the block sums take `vpdpbusd` (only where [`crate::cpu::Isa::vnni`] holds).
 ///
 /// # Safety
 /// As for [`gemv`].
@@ -42,42 +36,22 @@ pub(super) unsafe fn range<B: QDot>(
     out: *mut f32,
     vnni: bool,
 ) {
-    if d.m >= STAGED_MIN_ROWS {
-        let batch = Batch {
-            xq,
-            w,
-            d,
-            n0,
-            n1,
-            out,
-        };
-        STAGE.with(|cell| {
-            let stage = &mut cell.borrow_mut();
-            // SAFETY: forwarded from the caller, VNNI checked by the caller when asked for.
-            unsafe {
-                if vnni {
-                    gemm_staged_vnni(stage, &batch)
-                } else {
-                    gemm_staged(stage, &batch)
-                }
-            }
-        })
-    } else {
-        let batch = Batch {
-            xq,
-            w,
-            d,
-            n0,
-            n1,
-            out,
-        };
-        // SAFETY: forwarded from the caller, VNNI checked by the caller when asked for.
-        unsafe {
-            if vnni {
-                gemv_vnni(&batch)
-            } else {
-                gemv(&batch)
-            }
+    let batch = Batch {
+        xq,
+        w,
+        d,
+        n0,
+        n1,
+        out,
+    };
+    let staged = d.m >= STAGED_MIN_ROWS;
+    // SAFETY: forwarded from the caller, VNNI checked by the caller when asked for.
+    unsafe {
+        match (staged, vnni) {
+            (true, true) => STAGE.with(|c| gemm_staged_vnni(&mut c.borrow_mut(), &batch)),
+            (true, false) => STAGE.with(|c| gemm_staged(&mut c.borrow_mut(), &batch)),
+            (false, true) => gemv_vnni(&batch),
+            (false, false) => gemv(&batch),
         }
     }
 }
@@ -162,7 +136,7 @@ unsafe fn gemm_staged<B: QDot>(stage: &mut Stage, batch: &Batch<'_, B>) {
 /// [`gemm_staged`] with each block's sums from `vpdpbusd`.
 ///
 /// # Safety
-/// As for [`gemv`], and the CPU must have AVX-512 VNNI and VL ([`vnni_usable`]).
+/// As for [`gemv`], and the CPU must have AVX-512 VNNI and VL ([`crate::cpu::Isa::vnni`]).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 unsafe fn gemm_staged_vnni<B: QDot>(stage: &mut Stage, batch: &Batch<'_, B>) {
     // SAFETY: forwarded from the caller.
@@ -308,7 +282,7 @@ unsafe fn gemv<B: QDot>(batch: &Batch<'_, B>) {
 /// [`gemv`] with each block's sums from `vpdpbusd`.
 ///
 /// # Safety
-/// As for [`gemv`], and the CPU must have AVX-512 VNNI and VL ([`vnni_usable`]).
+/// As for [`gemv`], and the CPU must have AVX-512 VNNI and VL ([`crate::cpu::Isa::vnni`]).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 unsafe fn gemv_vnni<B: QDot>(batch: &Batch<'_, B>) {
     // SAFETY: forwarded from the caller.
