@@ -7,13 +7,16 @@
 //!   single-stream decode tokens/s.
 //! - `gemm/*`: prefill, 512 x 576 x 1536, throughput in FLOPs (`elem/s` = FLOP/s); and
 //!   `prefill_512/*`: every matmul of a 512-token prefill (no logits).
+//! - `quant_batch/*`: quantized weights (Q8_0, Q4_1) at 576 x 1536 times batches of 1 to 32
+//!   decodes, throughput in FLOPs: where the integer kernels change over (streamed, staged,
+//!   16-row tiles).
 
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use half::f16;
 use kvgate_kernels::cpu::{CpuTensor, CpuWeight};
-use kvgate_kernels::{Backend, Cpu, DType, WeightData};
+use kvgate_kernels::{Backend, Cpu, DType, Quant, WeightData};
 
 fn weight(cpu: &Cpu, n: usize, k: usize, dtype: DType, seed: usize) -> CpuWeight {
     let val = |i: usize| ((i * 7919 + seed * 104_729) % 2001) as f32 * 1e-3 - 1.0;
@@ -161,12 +164,34 @@ fn gemm(c: &mut Criterion) {
     g.finish();
 }
 
+fn quant_batch(c: &mut Criterion) {
+    let cpu = Cpu::new();
+    let mut g = c.benchmark_group("quant_batch");
+    let (n, k) = (1536, 576);
+    let values: Vec<f32> = (0..n * k)
+        .map(|i| ((i * 7919) % 2001) as f32 * 1e-3 - 1.0)
+        .collect();
+    for q in [Quant::Q8_0, Quant::Q4_1] {
+        let w = cpu.weight(WeightData::quantized(&values, q), n, k);
+        for m in [1, 4, 6, 8, 12, 16, 32] {
+            let x = input(m, k);
+            let mut out = cpu.tensor(m, n);
+            g.throughput(Throughput::Elements((2 * m * n * k) as u64));
+            g.bench_function(
+                BenchmarkId::new(format!("{q:?}"), format!("{m}x576x1536")),
+                |b| b.iter(|| cpu.matmul(&x, &w, None, &mut out)),
+            );
+        }
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .sample_size(20)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3));
-    targets = gemv, decode_token, gemm
+    targets = gemv, decode_token, gemm, quant_batch
 }
 criterion_main!(benches);

@@ -1,7 +1,7 @@
 //! `matmul` over Q8_0 and Q4_1 weights against a dequantize-then-multiply reference in f64, on
 //! every instruction set this CPU has, at the row counts of the integer path (decode and batches
-//! of decodes, up to `QUANT_GEMV_MAX_ROWS`; every row count on the AMX tile unit) and of the
-//! widening GEMM (prefill, without AMX).
+//! of decodes, up to `QUANT_GEMV_MAX_ROWS`; every row count on 16-row tiles, AMX or AVX-512
+//! VNNI) and of the widening GEMM (prefill elsewhere).
 //!
 //! Tolerances:
 //! - GEMM (x stays f32): 1e-5 of `sum |x_p * w_p|`, as for dense weights.
@@ -96,10 +96,14 @@ fn quantized_gemv_matches_the_dequantized_reference() {
                 (8, 9, 96),
                 (32, 20, 576),
                 (QUANT_GEMV_MAX_ROWS, 5, 64),
-                // The AMX kernel's shapes (4 rows and more): whole tiles of 16 weight rows and a
-                // rest, one and two groups of 16 x rows, a partial group, an odd block count.
+                // The tile kernels' shapes (AMX from 4 rows, AVX-512 VNNI from 6 for Q8_0 and
+                // 8 for Q4_1): whole tiles of 16 weight rows and a rest, one and two groups of
+                // 16 x rows, a partial group, an odd block count, either side of the VNNI
+                // thresholds.
                 (4, 48, 64),
                 (5, 16, 96),
+                (6, 32, 96),
+                (7, 48, 160),
                 (17, 40, 576),
                 (33, 35, 1536),
                 (QUANT_GEMV_MAX_ROWS, 64, 96),
@@ -118,7 +122,7 @@ fn quantized_gemv_matches_the_dequantized_reference() {
 fn quantized_gemm_matches_the_dequantized_reference() {
     for cpu in backends() {
         for q in [Quant::Q8_0, Quant::Q4_1] {
-            // With AMX these run the integer path too: a partial group of 16 x rows past 64,
+            // On 16-row tiles (AMX, AVX-512 VNNI) these run the integer path too: a partial group of 16 x rows past 64,
             // a tail of weight rows past whole tiles, and a prefill-sized down projection.
             let m0 = QUANT_GEMV_MAX_ROWS + 1;
             for &(m, n, k) in &[
@@ -127,7 +131,7 @@ fn quantized_gemm_matches_the_dequantized_reference() {
                 (2 * m0, 96, 576),
                 (200, 48, 1536),
                 (100, 50, 160),
-                // More rows than the AMX path quantizes at once: two passes.
+                // More rows than the tile path quantizes at once: two passes.
                 (600, 40, 64),
             ] {
                 check(&cpu, 2, m, n, k, q);
@@ -175,7 +179,7 @@ fn every_instruction_set_gives_the_portable_answer() {
 
 #[test]
 fn a_prefill_on_the_integer_path_matches_the_portable_integer_path_row_for_row() {
-    // Where the integer path takes more than QUANT_GEMV_MAX_ROWS rows (the AMX tile unit), a
+    // Where the integer path takes more than QUANT_GEMV_MAX_ROWS rows (16-row tiles), a
     // prefill must give what the portable integer path gives for the same rows in slices of at
     // most QUANT_GEMV_MAX_ROWS: x is quantized per row, so only the f32 sums' order differs.
     // Elsewhere such a prefill runs the widening GEMM, held to the reference above.
@@ -185,7 +189,7 @@ fn a_prefill_on_the_integer_path_matches_the_portable_integer_path_row_for_row()
         .iter()
         .any(|c| quantized_x_max_rows(c.isa()) > QUANT_GEMV_MAX_ROWS)
     {
-        eprintln!("skipped: no instruction set here runs the integer path past {QUANT_GEMV_MAX_ROWS} rows (AMX)");
+        eprintln!("skipped: no instruction set here runs the integer path past {QUANT_GEMV_MAX_ROWS} rows (AMX or AVX-512 VNNI)");
         return;
     }
     for q in [Quant::Q8_0, Quant::Q4_1] {

@@ -20,6 +20,8 @@ mod avx2;
 mod avx512;
 mod portable;
 mod quant;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
 
 use super::pool::pool;
 use super::simd::{Elem, Isa};
@@ -40,30 +42,46 @@ pub const AVX2_GEMV_MAX_ROWS: usize = 64;
 /// Up to this many rows, quantized weights run the integer dot products against x quantized per
 /// block; beyond, the GEMM widens them while it packs. The integer path stays ahead well past
 /// decode: a batch of decodes reads each weight block once per tile of x rows from cache.
-/// On the AMX tile unit the integer path takes every row count ([`quantized_x_max_rows`]).
+/// On 16-row tiles the integer path takes every row count ([`quantized_x_max_rows`]).
 pub const QUANT_GEMV_MAX_ROWS: usize = 64;
 
 /// Up to this many x rows, a matmul over quantized weights quantizes x per block and runs the
 /// integer dot products (llama.cpp's arithmetic); beyond, x stays f32 and the weights are
-/// widened. With AMX, every row count: a prefill's tile multiplies run far ahead of the f32
-/// GEMM (16 x 16 x 32 multiply-adds per instruction against 16 per FMA), and quantizing x costs
-/// one pass over it.
+/// widened. With 16-row tiles ([`int8_tiles`]), every row count: a prefill's tile multiplies
+/// run far ahead of the f32 GEMM (on AMX 16 x 16 x 32 multiply-adds per instruction, with VNNI
+/// 16 x 4 per `vpdpbusd` and the scaling shared by 16 x rows, against 16 per FMA), and
+/// quantizing x costs one pass over it.
 pub fn quantized_x_max_rows(isa: Isa) -> usize {
-    if isa == Isa::Amx {
+    if int8_tiles(isa) {
         usize::MAX
     } else {
         QUANT_GEMV_MAX_ROWS
     }
 }
 
+/// Whether quantized weights meet a batch of x rows in tiles of 16 x rows packed once per
+/// call: on the AMX tile unit, or with AVX-512 VNNI over the same layout (`vnni`).
+fn int8_tiles(isa: Isa) -> bool {
+    isa == Isa::Amx || isa.vnni()
+}
+
 /// From this many rows, quantized weights run on the AMX tile unit where the CPU has one; a
 /// single token or two are bound by reading the weights, which the AVX2 kernel does as fast.
 pub const AMX_MIN_ROWS: usize = 4;
 
-/// Most x rows quantized and packed at once on the AMX path: a longer prefill runs in slices of
-/// this many rows, so the per-thread buffers of quantized x stay bounded (about 2.5 bytes per
-/// activation value, kept for the thread's next call) whatever the prompt's length.
-const AMX_ROWS_PER_PASS: usize = 512;
+/// Whether a quantized matmul of `m` x rows over `B` runs on 16-row tiles (x packed for them).
+fn tiled<B: QDot>(isa: Isa, m: usize) -> bool {
+    if isa == Isa::Amx {
+        m >= AMX_MIN_ROWS
+    } else {
+        int8_tiles(isa) && m >= B::VNNI_TILE_MIN_ROWS
+    }
+}
+
+/// Most x rows quantized and packed at once on the tile path: a longer prefill runs in slices
+/// of this many rows, so the per-thread buffers of quantized x stay bounded (about 2.6 bytes
+/// per activation value, kept for the thread's next call) whatever the prompt's length.
+const TILE_ROWS_PER_PASS: usize = 512;
 
 /// Weight bytes per GEMV task, beyond one task per thread.
 const GEMV_TASK_BYTES: usize = 1 << 20;
@@ -214,7 +232,7 @@ impl<E: Elem> Weights for [E] {
     }
 }
 
-/// Quantized weights, with x already quantized for the GEMV (and packed for the AMX kernel).
+/// Quantized weights, with x already quantized for the GEMV (and packed for the tile kernels).
 struct Quantized<'a, B> {
     w: &'a [B],
     xq: &'a [quant::BlockQ8x],
@@ -230,9 +248,9 @@ impl<B: QDot> Weights for Quantized<'_, B> {
         quantized_x_max_rows(isa)
     }
 
-    /// Whole AMX tiles (16 rows of w) per task where the tile unit runs.
+    /// Whole tiles (16 rows of w) per task where the tile kernels run.
     fn task_rows(&self, isa: Isa, m: usize) -> usize {
-        if isa == Isa::Amx && m >= AMX_MIN_ROWS {
+        if tiled::<B>(isa, m) {
             16
         } else {
             8
@@ -262,11 +280,11 @@ impl<B: QDot> Weights for Quantized<'_, B> {
 
 /// `out = x @ w^T` for quantized `w`: the GEMV quantizes x once, on the calling thread.
 fn run_quant<B: QDot>(isa: Isa, x: &[f32], w: &[B], d: Dims, out: &mut [f32]) {
-    if isa == Isa::Amx && d.m > AMX_ROWS_PER_PASS && d.k > 0 {
+    if int8_tiles(isa) && d.m > TILE_ROWS_PER_PASS && d.k > 0 {
         // A long prefill in slices of rows (out is row-major, so each slice is contiguous).
         for (xs, os) in x
-            .chunks(AMX_ROWS_PER_PASS * d.k)
-            .zip(out.chunks_mut(AMX_ROWS_PER_PASS * d.n))
+            .chunks(TILE_ROWS_PER_PASS * d.k)
+            .zip(out.chunks_mut(TILE_ROWS_PER_PASS * d.n))
         {
             let rows = Dims {
                 m: xs.len() / d.k,
@@ -277,8 +295,7 @@ fn run_quant<B: QDot>(isa: Isa, x: &[f32], w: &[B], d: Dims, out: &mut [f32]) {
         return;
     }
     if d.m <= quantized_x_max_rows(isa) && d.k > 0 {
-        let amx = isa == Isa::Amx && d.m >= AMX_MIN_ROWS;
-        quant::with_quantized_x(isa, x, d.m, d.k, amx, |xq, xp| {
+        quant::with_quantized_x(isa, x, d.m, d.k, tiled::<B>(isa, d.m), |xq, xp| {
             run(isa, x, &Quantized { w, xq, xp }, d, out)
         });
     } else {

@@ -28,17 +28,19 @@ use crate::quant::QK;
 /// x rows per packed group (the tile's 16 i32 columns).
 pub(super) const GROUP: usize = 16;
 
-/// Weight rows per tile multiply.
-const ROWS: usize = 16;
+/// Weight rows per tile multiply (and per tile of the `vnni` kernel).
+pub(super) const ROWS: usize = 16;
 
 /// One block (32 values) of a group of 16 x rows, as the tile multiply reads it, with the rows'
 /// scales: `qs[g][4 * r + t]` is value `4g + t` of row `r`; rows past the batch are zero.
+/// `sum[r]` is the exact sum of row r's 32 values (the VNNI kernel's offset correction, `vnni`).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 pub(crate) struct PackedX {
-    qs: [[i8; 64]; 8],
-    d: [f32; GROUP],
-    s: [f32; GROUP],
+    pub(super) qs: [[i8; 64]; 8],
+    pub(super) d: [f32; GROUP],
+    pub(super) s: [f32; GROUP],
+    pub(super) sum: [i32; GROUP],
 }
 
 /// Packs `m` quantized x rows of `nb` blocks into `out`: group `g`, block `b` at `g * nb + b`.
@@ -51,6 +53,7 @@ pub(super) fn pack_x(xq: &[BlockQ8x], m: usize, nb: usize, out: &mut Vec<PackedX
             qs: [[0; 64]; 8],
             d: [0.0; GROUP],
             s: [0.0; GROUP],
+            sum: [0; GROUP],
         },
     );
     for row in 0..m {
@@ -63,6 +66,7 @@ pub(super) fn pack_x(xq: &[BlockQ8x], m: usize, nb: usize, out: &mut Vec<PackedX
             }
             p.d[r] = x.d;
             p.s[r] = x.s;
+            p.sum[r] = x.qs.iter().map(|&q| q as i32).sum();
         }
     }
 }
@@ -104,24 +108,64 @@ impl TileConfig {
     }
 }
 
-/// Columns `n0..n1` (`n1 - n0` a multiple of 16) of `out = x @ w^T`, x packed by [`pack_x`].
+/// The operands of a tile kernel (this one, or `vnni`'s): columns `n0..n1` (`n1 - n0` a
+/// multiple of 16) of `out = x @ w^T`, x packed by [`pack_x`]. `xp` holds `ceil(m / 16) * nb`
+/// packed blocks, `w` holds `n * nb` blocks, and `out` points to `m * n` f32s of which the
+/// kernel may write columns `n0..n1`.
+pub(super) struct Tiles<'a, B> {
+    pub xp: &'a [PackedX],
+    pub w: &'a [B],
+    pub d: Dims,
+    pub n0: usize,
+    pub n1: usize,
+    pub out: *mut f32,
+}
+
+impl<B> Tiles<'_, B> {
+    /// Blocks per row, once the shapes are checked.
+    pub fn blocks(&self) -> usize {
+        let nb = self.d.k / QK;
+        assert!(
+            (self.n1 - self.n0).is_multiple_of(ROWS)
+                && self.xp.len() >= self.d.m.div_ceil(GROUP) * nb
+                && self.w.len() >= self.n1 * nb
+        );
+        nb
+    }
+
+    /// Stores group `g`'s outputs for weight rows `j..j + 16`: `acc[jj]` holds weight row
+    /// `j + jj`'s outputs for the group's x rows; transposed, `acc[r]` holds x row r's 16.
+    ///
+    /// # Safety
+    /// AVX-512F; `out` as the struct says, `j` inside `n0..n1`.
+    #[inline(always)]
+    pub unsafe fn store(&self, g: usize, j: usize, acc: &mut [__m512; ROWS]) {
+        // SAFETY: per the caller; rows past the batch are not stored.
+        unsafe {
+            super::avx512::transpose16(acc);
+            for (r, v) in acc
+                .iter()
+                .enumerate()
+                .take(self.d.m - g * GROUP)
+                .take(GROUP)
+            {
+                _mm512_storeu_ps(self.out.add((g * GROUP + r) * self.d.n + j), *v);
+            }
+        }
+    }
+}
+
+/// [`Tiles`] on the AMX tile unit.
 ///
 /// # Safety
 /// The CPU must have AVX-512F/BW and AMX-INT8, with the tile state enabled for this process
-/// ([`crate::cpu::Isa::Amx`] is only chosen then). `xp` holds `ceil(m / 16) * nb` packed blocks,
-/// `w` holds `n * nb` blocks, and `out` points to `m * n` f32s of which this call may write
-/// columns `n0..n1`.
+/// ([`crate::cpu::Isa::Amx`] is only chosen then); the operands as [`Tiles`] says.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(super) unsafe fn gemm<B: QDot>(
-    xp: &[PackedX],
-    w: &[B],
-    d: Dims,
-    n0: usize,
-    n1: usize,
-    out: *mut f32,
-) {
-    let nb = d.k / QK;
-    assert!((n1 - n0).is_multiple_of(ROWS) && xp.len() >= d.m.div_ceil(GROUP) * nb);
+pub(super) unsafe fn gemm<B: QDot>(t: &Tiles<'_, B>) {
+    let nb = t.blocks();
+    let Tiles {
+        xp, w, d, n0, n1, ..
+    } = *t;
     let cfg = TileConfig::new();
     SCRATCH.with(|cell| {
         let (scales, bytes) = &mut *cell.borrow_mut();
@@ -143,7 +187,7 @@ pub(super) unsafe fn gemm<B: QDot>(
             while j < n1 {
                 let wt = w.as_ptr().add(j * nb);
                 let (dw, mw) = scales.split_at_mut(nb * ROWS);
-                B::amx_scales(wt, nb, dw.as_mut_ptr(), mw.as_mut_ptr());
+                B::tile_scales(wt, nb, dw.as_mut_ptr(), mw.as_mut_ptr());
                 let (a, block_step, stride) = B::amx_stage(wt, nb, bytes);
                 // The next 16 rows' blocks (they follow these in memory) into L2, at the pace
                 // the first group reads these.
@@ -179,12 +223,7 @@ pub(super) unsafe fn gemm<B: QDot>(
                     if let Some((pb, count, pbuf)) = pending {
                         scale_blocks::<B>(&*c.add(pbuf), xg, pb, count, dw, mw, &mut acc);
                     }
-                    // acc[jj] holds weight row j + jj's outputs for the group's x rows; after
-                    // the transpose acc[r] holds x row r's 16 outputs.
-                    super::avx512::transpose16(&mut acc);
-                    for (r, v) in acc.iter().enumerate().take(d.m - g * GROUP).take(GROUP) {
-                        _mm512_storeu_ps(out.add((g * GROUP + r) * d.n + j), *v);
-                    }
+                    t.store(g, j, &mut acc);
                 }
                 j += ROWS;
             }
@@ -327,14 +366,15 @@ mod tests {
             let p = &packed[g * nb + b];
             for r in 0..GROUP {
                 let row = g * GROUP + r;
-                let (want_d, want_s) = if row < m {
-                    (xq[row * nb + b].d, xq[row * nb + b].s)
+                let (want_d, want_s, want_sum) = if row < m {
+                    let x = &xq[row * nb + b];
+                    (x.d, x.s, x.qs.iter().map(|&q| q as i32).sum())
                 } else {
-                    (0.0, 0.0)
+                    (0.0, 0.0, 0)
                 };
                 assert_eq!(
-                    (p.d[r], p.s[r]),
-                    (want_d, want_s),
+                    (p.d[r], p.s[r], p.sum[r]),
+                    (want_d, want_s, want_sum),
                     "group {g} block {b} row {r}"
                 );
                 for (tile_row, t) in (0..8).flat_map(|gg| (0..4).map(move |t| (gg, t))) {

@@ -1,18 +1,23 @@
-//! `out = x @ w^T` over block-quantized weights (Q8_0, Q4_1), as llama.cpp computes it:
+//! `out = x @ w^T` over block-quantized weights (Q8_0, Q4_1), as llama.cpp computes it: each x
+//! row is quantized to 8 bits per 32-value block ([`BlockQ8x`]: i8 values, a scale `d` and
+//! `s = d * sum(q)`, both rounded through f16 as llama.cpp's `q8_0`/`q8_1` blocks are). A weight
+//! block then costs one integer dot product of 32 pairs: `d_w * d_x * sum(q_w * q_x)`, plus
+//! `m_w * s_x` for Q4_1's offset. The weights stream from memory in their file size: 5 bits per
+//! weight for Q4_1, 8.5 for Q8_0.
 //!
-//! - **GEMV** (decode, and batches up to `QUANT_GEMV_MAX_ROWS` rows; any row count with AMX): each x row is quantized to 8 bits per 32-value block ([`BlockQ8x`]:
-//!   i8 values, a scale `d` and `s = d * sum(q)`, both rounded through f16 as llama.cpp's
-//!   `q8_0`/`q8_1` blocks are). A weight block then costs one integer dot product of 32 pairs:
-//!   `d_w * d_x * sum(q_w * q_x)`, plus `m_w * s_x` for Q4_1's offset. With AVX2 the 32 products
-//!   are one `vpmaddubsw` (u8 x i8 pairs to i16) and one `vpmaddwd` (to eight i32); Q8_0's signed
-//!   weights move their sign onto x first (`vpsignb`). The weights stream from memory in their
-//!   file size: 5 bits per weight for Q4_1, 8.5 for Q8_0.
-//! - **GEMM** (prefill, more rows): compute-bound, so the weights are widened to f32 while the AVX2 GEMM
-//!   packs its panels (once per call, then used by every x row) and x stays f32. Where the CPU
-//!   has AMX-INT8, prefill runs the integer path too, on the tile unit (`amx`).
+//! - **Decode and small batches** (`avx2`): with AVX2 a block's 32 products are one
+//!   `vpmaddubsw` (u8 x i8 pairs to i16) and one `vpmaddwd` (to eight i32), or one `vpdpbusd`
+//!   with AVX-512 VNNI; Q8_0's signed weights move their sign onto x first (`vpsignb`).
+//! - **Batches and prefill on 16-row tiles**: x is also packed in groups of 16 rows, and 16
+//!   weight rows at a time meet each group, on the AMX tile unit (`amx`) or, without it, with
+//!   AVX-512 VNNI's 16 lanes as the group's rows (`vnni`).
+//! - **Prefill elsewhere** (more than `QUANT_GEMV_MAX_ROWS` rows, no tiles): compute-bound, so
+//!   the weights are widened to f32 while the AVX2 GEMM packs its panels (once per call, then
+//!   used by every x row) and x stays f32.
 //!
-//! AVX-512 CPUs run the AVX2 kernels (every CPU with AVX-512 has AVX2). The portable versions
-//! do the same integer arithmetic in plain Rust, and give the same result up to float rounding.
+//! AVX-512 CPUs run the AVX2 kernels where they have nothing wider (every CPU with AVX-512 has
+//! AVX2). The portable versions do the same integer arithmetic in plain Rust, and give the same
+//! result up to float rounding.
 
 use std::cell::RefCell;
 
@@ -36,7 +41,7 @@ pub(crate) struct BlockQ8x {
 thread_local! {
     /// The caller's quantized x rows, reused across calls.
     static XQ: RefCell<Vec<BlockQ8x>> = const { RefCell::new(Vec::new()) };
-    /// The same rows packed for the AMX kernel.
+    /// The same rows packed for the tile kernels.
     #[cfg(target_arch = "x86_64")]
     static XP: RefCell<Vec<Packed>> = const { RefCell::new(Vec::new()) };
     /// A widened weight row (portable GEMM).
@@ -184,6 +189,13 @@ pub(crate) trait QDot: QuantBlock {
     /// Whether blocks carry an offset `m` (Q4_1) besides the scale.
     const HAS_OFFSET: bool;
 
+    /// From this many x rows the VNNI tile kernel (`vnni`) runs where there is no AMX. Its 16
+    /// lanes are 16 x rows, so a small batch leaves most of them idle; below this the AVX2
+    /// staged kernel, whose lanes hold a block's values, does more (`quant_batch` in the
+    /// kernels' matmul bench: the two kernels are level at 4-5 rows for Q8_0 and 7-8 for Q4_1,
+    /// whose tiles also pay for unpacking the nibbles of 16 weight rows).
+    const VNNI_TILE_MIN_ROWS: usize;
+
     /// `[d, m, 0, 0]` widened (m = 0 for Q8_0).
     ///
     /// # Safety
@@ -242,7 +254,7 @@ pub(crate) trait QDot: QuantBlock {
     /// `w` must point to 16 rows of `nb` blocks, `dw` and `mw` to `16 * nb` f32s each, and the
     /// CPU must support F16C.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn amx_scales(w: *const Self, nb: usize, dw: *mut f32, mw: *mut f32);
+    unsafe fn tile_scales(w: *const Self, nb: usize, dw: *mut f32, mw: *mut f32);
 }
 
 impl QDot for BlockQ8_0 {
@@ -258,6 +270,8 @@ impl QDot for BlockQ8_0 {
     }
 
     const HAS_OFFSET: bool = false;
+
+    const VNNI_TILE_MIN_ROWS: usize = 6;
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -319,7 +333,7 @@ impl QDot for BlockQ8_0 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn amx_scales(w: *const Self, nb: usize, dw: *mut f32, _: *mut f32) {
+    unsafe fn tile_scales(w: *const Self, nb: usize, dw: *mut f32, _: *mut f32) {
         for r in 0..16 {
             for b in 0..nb {
                 // SAFETY: per the caller: 16 rows of nb blocks, 16 * nb scales, F16C.
@@ -341,6 +355,8 @@ impl QDot for BlockQ4_1 {
     }
 
     const HAS_OFFSET: bool = true;
+
+    const VNNI_TILE_MIN_ROWS: usize = 8;
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -430,7 +446,7 @@ impl QDot for BlockQ4_1 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn amx_scales(w: *const Self, nb: usize, dw: *mut f32, mw: *mut f32) {
+    unsafe fn tile_scales(w: *const Self, nb: usize, dw: *mut f32, mw: *mut f32) {
         for r in 0..16 {
             for b in 0..nb {
                 // SAFETY: per the caller: 16 rows of nb blocks, 16 * nb scales each, F16C.
@@ -454,13 +470,13 @@ unsafe fn f16_bits(bits: u16) -> f32 {
 }
 
 /// Runs `f` with `x` quantized (on the calling thread, into a buffer reused across calls), and,
-/// when `amx` is set, also packed for the AMX kernel (`m` rows of `k` values).
+/// when `packed` is set, also packed for the tile kernels (`m` rows of `k` values).
 pub(super) fn with_quantized_x<R>(
     isa: Isa,
     x: &[f32],
     m: usize,
     k: usize,
-    amx: bool,
+    packed: bool,
     f: impl FnOnce(&[BlockQ8x], &[Packed]) -> R,
 ) -> R {
     XQ.with(|cell| {
@@ -481,26 +497,26 @@ pub(super) fn with_quantized_x<R>(
             quantize_x(x, &mut xq);
         }
         #[cfg(target_arch = "x86_64")]
-        if amx {
+        if packed {
             return XP.with(|packed| {
                 let mut xp = packed.borrow_mut();
                 super::amx::pack_x(&xq, m, k / QK, &mut xp);
                 f(&xq, &xp)
             });
         }
-        let _ = (m, k, amx);
+        let _ = (m, k, packed);
         f(&xq, &[])
     })
 }
 
-/// x rows packed for the AMX kernel.
+/// x rows packed for the tile kernels.
 #[cfg(target_arch = "x86_64")]
 pub(super) type Packed = super::amx::PackedX;
-/// x rows packed for the AMX kernel (none off x86_64).
+/// x rows packed for the tile kernels (none off x86_64).
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) type Packed = ();
 
-/// Columns `n0..n1` of `out = x @ w^T` for small m (any m on the AMX tile unit), x already
+/// Columns `n0..n1` of `out = x @ w^T` for small m (any m on 16-row tiles), x already
 /// quantized.
 ///
 /// # Safety
@@ -520,13 +536,27 @@ pub(super) unsafe fn gemv_range<B: QDot>(
     let nb = d.k / QK;
     assert!(xq.len() >= d.m * nb && w.len() >= d.n * nb);
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Amx && !xp.is_empty() {
-        // Whole tiles of 16 weight rows on the tile unit, the rest as below.
+    if !xp.is_empty() {
+        // x is packed for the tile kernels: whole tiles of 16 weight rows there, the rest as
+        // below.
         let tiles = n0 + (n1 - n0) / 16 * 16;
-        // SAFETY: Isa::Amx is only chosen with AVX-512F/BW, AMX-INT8 and its state enabled; xp
-        // is x packed (with_quantized_x); shapes per the caller.
+        // SAFETY: x is only packed (with_quantized_x) for Isa::Amx, chosen with AVX-512F/BW,
+        // AMX-INT8 and its state enabled, or where `Isa::vnni` holds (AVX-512F/BW/VL/VNNI, with
+        // AVX2/FMA/F16C as every AVX-512 ISA); shapes per the caller.
         unsafe {
-            super::amx::gemm(xp, w, d, n0, tiles, out.0);
+            let t = super::amx::Tiles {
+                xp,
+                w,
+                d,
+                n0,
+                n1: tiles,
+                out: out.0,
+            };
+            if isa == Isa::Amx {
+                super::amx::gemm(&t);
+            } else {
+                super::vnni::gemm(&t);
+            }
             if tiles < n1 {
                 avx2::range(xq, w, d, tiles, n1, out.0, isa.vnni());
             }
@@ -553,8 +583,8 @@ pub(super) unsafe fn gemv_range<B: QDot>(
     }
 }
 
-/// Columns `n0..n1` of `out = x @ w^T` for many rows (without AMX): f32 x against widened
-/// weights.
+/// Columns `n0..n1` of `out = x @ w^T` for many rows (without 16-row tiles): f32 x against
+/// widened weights.
 ///
 /// # Safety
 /// As for [`gemv_range`], with `x` holding `m * k` f32 values.
@@ -638,7 +668,7 @@ mod tests {
         // SAFETY: 16 rows of nb blocks, 16 * nb scales; AVX2/F16C detected above.
         unsafe {
             let (base, step, stride) = BlockQ8_0::amx_stage(q8.as_ptr(), nb, &mut bytes);
-            BlockQ8_0::amx_scales(q8.as_ptr(), nb, dw.as_mut_ptr(), mw.as_mut_ptr());
+            BlockQ8_0::tile_scales(q8.as_ptr(), nb, dw.as_mut_ptr(), mw.as_mut_ptr());
             for (r, b, i) in
                 (0..16).flat_map(|r| (0..nb).flat_map(move |b| (0..QK).map(move |i| (r, b, i))))
             {
@@ -647,7 +677,7 @@ mod tests {
                 assert_eq!(dw[b * 16 + r], blk.d.to_f32());
             }
             let (base, step, stride) = BlockQ4_1::amx_stage(q4.as_ptr(), nb, &mut bytes);
-            BlockQ4_1::amx_scales(q4.as_ptr(), nb, dw.as_mut_ptr(), mw.as_mut_ptr());
+            BlockQ4_1::tile_scales(q4.as_ptr(), nb, dw.as_mut_ptr(), mw.as_mut_ptr());
             for (r, b, i) in
                 (0..16).flat_map(|r| (0..nb).flat_map(move |b| (0..QK).map(move |i| (r, b, i))))
             {
