@@ -14,7 +14,9 @@
 
 use kvgate_engine::kv::{test_manager, KvCacheManager, SeqId};
 use kvgate_engine::model::{Batch, Llama, LoadOptions};
+use kvgate_engine::sampling::{Sampler, Workspace};
 use kvgate_kernels::{AttnSeq, Cpu, DType, Quant};
+use kvgate_protocol::openai::SamplingParams;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -24,6 +26,9 @@ struct Runner {
     model: Llama<Cpu>,
     kv: KvCacheManager,
     vocab: usize,
+    /// A greedy request's sampler, as the engine runs it for every sequence.
+    greedy: Sampler,
+    ws: Workspace,
 }
 
 impl Runner {
@@ -76,11 +81,10 @@ impl Runner {
         (SeqId(id), prompt[cached..].to_vec(), cached)
     }
 
-    fn argmax(&self, logits: &[f32], row: usize) -> u32 {
-        let r = &logits[row * self.vocab..(row + 1) * self.vocab];
-        (0..r.len())
-            .max_by(|&a, &b| r[a].total_cmp(&r[b]).then(b.cmp(&a)))
-            .unwrap() as u32
+    /// The next token of row `row`, picked as the engine picks a greedy request's.
+    fn argmax(&mut self, logits: &mut [f32], row: usize) -> u32 {
+        let r = &mut logits[row * self.vocab..(row + 1) * self.vocab];
+        self.greedy.sample(r, &mut self.ws).unwrap().token
     }
 
     fn reset(&mut self) {
@@ -98,13 +102,13 @@ fn decode_tok_s(r: &mut Runner, n: usize) -> f64 {
     r.reset();
     let prompt = [504, 2365, 6354, 16438];
     let first = r.start(0, &prompt);
-    let logits = r.step(&[first]);
-    let mut tok = r.argmax(&logits, 0);
+    let mut logits = r.step(&[first]);
+    let mut tok = r.argmax(&mut logits, 0);
     let t0 = Instant::now();
     for i in 0..n {
         r.kv.append_slots(SeqId(0), &[tok]).unwrap();
-        let logits = r.step(&[(SeqId(0), vec![tok], prompt.len() + i)]);
-        tok = r.argmax(&logits, 0);
+        let mut logits = r.step(&[(SeqId(0), vec![tok], prompt.len() + i)]);
+        tok = r.argmax(&mut logits, 0);
     }
     n as f64 / t0.elapsed().as_secs_f64()
 }
@@ -130,8 +134,8 @@ fn batched_tok_s(r: &mut Runner, batch: usize, steps: usize) -> f64 {
             r.start(b as u64, &prompt)
         })
         .collect();
-    let logits = r.step(&starts);
-    let mut toks: Vec<u32> = (0..batch).map(|b| r.argmax(&logits, b)).collect();
+    let mut logits = r.step(&starts);
+    let mut toks: Vec<u32> = (0..batch).map(|b| r.argmax(&mut logits, b)).collect();
     let t0 = Instant::now();
     for s in 0..steps {
         let items: Vec<_> = (0..batch)
@@ -140,8 +144,8 @@ fn batched_tok_s(r: &mut Runner, batch: usize, steps: usize) -> f64 {
                 (SeqId(b as u64), vec![toks[b]], 16 + s)
             })
             .collect();
-        let logits = r.step(&items);
-        toks = (0..batch).map(|b| r.argmax(&logits, b)).collect();
+        let mut logits = r.step(&items);
+        toks = (0..batch).map(|b| r.argmax(&mut logits, b)).collect();
     }
     (batch * steps) as f64 / t0.elapsed().as_secs_f64()
 }
@@ -270,6 +274,8 @@ fn main() {
             model,
             kv: test_manager(2048, 0, BS),
             vocab,
+            greedy: Sampler::new(&SamplingParams::greedy(), &[], &[], 0),
+            ws: Workspace::new(),
         };
         // $KVGATE_BENCH_FIGURES (`batched`, `decode,prefill`) measures some figures only (the
         // others print as 0), for a profile or a quick comparison of one kernel.

@@ -213,17 +213,39 @@ fn top_p_len(
 
 /// Cleans a row in place (NaN becomes -inf, +inf becomes `f32::MAX`) and returns the argmax
 /// (lowest id on ties) and the maximum, or `None` when no logit is finite.
+///
+/// Two passes the compiler vectorizes (a greedy batch of 32 sequences runs this on 32 rows of
+/// the vocabulary per step, on the engine thread): the cleaning with the maximum in 8 lanes,
+/// then the first position of the maximum.
 pub(super) fn sanitize(logits: &mut [f32]) -> Option<(u32, f32)> {
-    let (mut best, mut max) = (0usize, f32::NEG_INFINITY);
-    for (i, l) in logits.iter_mut().enumerate() {
+    const LANES: usize = 8;
+    let clean = |l: f32| {
         if l.is_nan() {
-            *l = f32::NEG_INFINITY;
-        } else if *l == f32::INFINITY {
-            *l = f32::MAX;
+            f32::NEG_INFINITY
+        } else if l > f32::MAX {
+            f32::MAX
+        } else {
+            l
         }
-        if *l > max {
-            (best, max) = (i, *l);
+    };
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = logits.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for (m, l) in lanes.iter_mut().zip(c.iter_mut()) {
+            *l = clean(*l);
+            *m = if *l > *m { *l } else { *m };
         }
     }
-    (max > f32::NEG_INFINITY).then_some((best as u32, max))
+    for l in chunks.into_remainder() {
+        *l = clean(*l);
+        lanes[0] = if *l > lanes[0] { *l } else { lanes[0] };
+    }
+    let max = lanes
+        .into_iter()
+        .fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
+    if max == f32::NEG_INFINITY {
+        return None;
+    }
+    let best = logits.iter().position(|&l| l == max)?;
+    Some((best as u32, max))
 }

@@ -134,6 +134,55 @@ fn min_p_is_relative_to_the_best_after_temperature() {
     );
 }
 
+/// The plain scan the vectorized greedy pass must agree with: NaN is -inf, the first strict
+/// maximum wins, +inf counts as `f32::MAX`.
+fn scan_argmax(row: &[f32]) -> Option<u32> {
+    let (mut best, mut max) = (None, f32::NEG_INFINITY);
+    for (i, &l) in row.iter().enumerate() {
+        let l = if l.is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            l.min(f32::MAX)
+        };
+        if l > max {
+            (best, max) = (Some(i as u32), l);
+        }
+    }
+    best
+}
+
+#[test]
+fn greedy_matches_a_plain_scan_on_rows_of_every_length() {
+    let mut s = Sampler::new(&SamplingParams::greedy(), &[], &[], 0);
+    let mut ws = Workspace::new();
+    let mut rng = StdRng::seed_from_u64(7);
+    for len in [1, 7, 8, 9, 16, 63, 49_157] {
+        // The maximum in a lane, in the tail past the last whole chunk, and tied across lanes,
+        // with NaN and infinities about.
+        for case in 0..6 {
+            let mut row: Vec<f32> = (0..len).map(|_| rng.gen_range(-20.0..20.0)).collect();
+            let at = |f: usize| f % len;
+            match case {
+                0 => row[at(len / 2)] = 30.0,
+                1 => row[len - 1] = 30.0,
+                2 => {
+                    row[at(13)] = 30.0;
+                    row[at(5)] = 30.0;
+                }
+                3 => {
+                    row[at(3)] = f32::NAN;
+                    row[at(2 * len - 2)] = f32::INFINITY;
+                }
+                4 => row.iter_mut().step_by(3).for_each(|l| *l = f32::NAN),
+                _ => row[at(11)] = -0.0,
+            }
+            let want = scan_argmax(&row);
+            let got = s.sample(&mut row, &mut ws).ok().map(|t| t.token);
+            assert_eq!(got, want, "len {len}, case {case}");
+        }
+    }
+}
+
 #[test]
 fn greedy_takes_the_lowest_id_on_ties() {
     let mut s = Sampler::new(&SamplingParams::greedy(), &[], &[], 0);
