@@ -104,6 +104,8 @@ fn quantized_gemv_matches_the_dequantized_reference() {
                 (5, 16, 96),
                 (6, 32, 96),
                 (7, 48, 160),
+                (8, 32, 96),
+                (12, 48, 160),
                 (17, 40, 576),
                 (33, 35, 1536),
                 (QUANT_GEMV_MAX_ROWS, 64, 96),
@@ -113,6 +115,100 @@ fn quantized_gemv_matches_the_dequantized_reference() {
                 (37, 17, 224),
             ] {
                 check(&cpu, 1, m, n, k, q);
+            }
+        }
+    }
+}
+
+/// Blocks at the extremes of the integer sums, where every output is exact in f32 (the scales
+/// are powers of two, x is +-127 times its row's scale so it quantizes to +-127 exactly), so
+/// every instruction set must give the reference bit for bit: Q8_0 weights of -128 (a value the
+/// quantizer never makes, but a GGUF may hold) and 127, Q4_1 nibbles of 15 and 0 with an
+/// offset, against x all positive or alternating; the largest block sum is 32 * 128 * 127. How
+/// many of each changes with the weight row and the block, so a row or block taken for another
+/// shows.
+#[test]
+fn extreme_blocks_give_exact_sums_on_every_instruction_set() {
+    use half::f16;
+    let nb = 3;
+    let k = nb * QK;
+    // x row i: scale 2^(i % 4) / 8, all positive (even rows) or alternating (odd rows).
+    let x_row = |i: usize| -> Vec<f32> {
+        let scale = (1 << (i % 4)) as f32 / 8.0;
+        (0..k)
+            .map(|p| {
+                let sign = if i % 2 == 1 && p % 2 == 0 { -1.0 } else { 1.0 };
+                sign * 127.0 * scale
+            })
+            .collect()
+    };
+    // Weight row j's block b: its first c values at one extreme, the rest at the other, c
+    // different for neighbouring rows and blocks (0 and 32 among them).
+    let count = |j: usize, b: usize| (j * 5 + b * 3) % (QK + 1);
+    let q8 = |j: usize, b: usize| BlockQ8_0 {
+        d: f16::from_f32(if j.is_multiple_of(2) { 1.0 } else { 0.5 }),
+        qs: std::array::from_fn(|p| if p < count(j, b) { -128 } else { 127 }),
+    };
+    let q4 = |j: usize, b: usize| {
+        let v = |p: usize| if p < count(j, b) { 15u8 } else { 0 };
+        BlockQ4_1 {
+            d: f16::from_f32(if j.is_multiple_of(2) { 1.0 } else { 0.5 }),
+            m: f16::from_f32(-8.0),
+            qs: std::array::from_fn(|p| v(p) | v(p + QK / 2) << 4),
+        }
+    };
+    for &(m, n) in &[
+        (1, 17),
+        (2, 17),
+        (4, 17),
+        (6, 17),
+        (7, 35),
+        (8, 17),
+        (12, 35),
+        (17, 17),
+        (33, 35),
+    ] {
+        let x: Vec<f32> = (0..m).flat_map(x_row).collect();
+        for data in [
+            WeightData::Q8_0(
+                (0..n)
+                    .flat_map(|j| (0..nb).map(move |b| q8(j, b)))
+                    .collect(),
+            ),
+            WeightData::Q4_1(
+                (0..n)
+                    .flat_map(|j| (0..nb).map(move |b| q4(j, b)))
+                    .collect(),
+            ),
+        ] {
+            let w = dequantized(&data);
+            let want: Vec<f32> = (0..m * n)
+                .map(|o| {
+                    let (xr, wr) = (&x[o / n * k..][..k], &w[o % n * k..][..k]);
+                    xr.iter()
+                        .zip(wr)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>() as f32
+                })
+                .collect();
+            for cpu in backends() {
+                let wt = cpu.weight(data.clone(), n, k);
+                let mut out = cpu.tensor(0, 0);
+                cpu.matmul(&cpu.upload(&x, m, k), &wt, None, &mut out);
+                for (o, (g, e)) in cpu.download(&out).iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g,
+                        e,
+                        "{} {:?} m={m} n={n}: out[{}, {}]",
+                        cpu.name(),
+                        match data {
+                            WeightData::Q8_0(_) => Quant::Q8_0,
+                            _ => Quant::Q4_1,
+                        },
+                        o / n,
+                        o % n
+                    );
+                }
             }
         }
     }

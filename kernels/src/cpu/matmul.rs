@@ -280,7 +280,7 @@ impl<B: QDot> Weights for Quantized<'_, B> {
 
 /// `out = x @ w^T` for quantized `w`: the GEMV quantizes x once, on the calling thread.
 fn run_quant<B: QDot>(isa: Isa, x: &[f32], w: &[B], d: Dims, out: &mut [f32]) {
-    if int8_tiles(isa) && d.m > TILE_ROWS_PER_PASS && d.k > 0 {
+    if int8_tiles(isa) && d.m > TILE_ROWS_PER_PASS && d.k > 0 && d.n > 0 {
         // A long prefill in slices of rows (out is row-major, so each slice is contiguous).
         for (xs, os) in x
             .chunks(TILE_ROWS_PER_PASS * d.k)

@@ -551,9 +551,11 @@ pub(super) unsafe fn gemv_range<B: QDot>(
         // x is packed for the tile kernels: whole tiles of 16 weight rows there, the rest as
         // below.
         let tiles = n0 + (n1 - n0) / 16 * 16;
-        // SAFETY: x is only packed (with_quantized_x) for Isa::Amx, chosen with AVX-512F/BW,
-        // AMX-INT8 and its state enabled, or where `Isa::vnni` holds (AVX-512F/BW/VL/VNNI, with
-        // AVX2/FMA/F16C as every AVX-512 ISA); shapes per the caller.
+        // x is only packed (with_quantized_x, as `tiled` decides) for these two.
+        assert!(isa == Isa::Amx || isa.vnni());
+        // SAFETY: Isa::Amx is chosen with AVX-512F/BW, AMX-INT8 and its state enabled;
+        // `Isa::vnni` holds with AVX-512F, VNNI and VL, and AVX2/FMA/F16C as on every AVX-512
+        // ISA; shapes per the caller.
         unsafe {
             let t = super::amx::Tiles {
                 xp,

@@ -28,11 +28,13 @@ use super::NextTile;
 use crate::quant::QK;
 
 /// 1.5 * 2^23: a float whose mantissa holds any integer below 2^22 in magnitude exactly, added
-/// to it as integers. A block's sums stay below 32 * 255 * 128.
+/// to it as integers. A block's sum, once Q8_0's offset is taken off, is at most 32 * 128 * 127
+/// in magnitude (the two chains' partial sums may be anything: i32 adds wrap).
 const MAGIC: f32 = 12_582_912.0;
 
 /// Weight rows whose sums stay in registers over all the blocks (16 would spill them).
 const CHUNK: usize = 8;
+const _: () = assert!(ROWS.is_multiple_of(CHUNK));
 
 thread_local! {
     /// Per thread: the 16 weight rows' scales `[nb][16]` (d, then m), and their bytes staged.
