@@ -18,11 +18,15 @@ use half::f16;
 use kvgate_kernels::cpu::{CpuTensor, CpuWeight};
 use kvgate_kernels::{Backend, Cpu, DType, Quant, WeightData};
 
+/// `n * k` weight values in [-1, 1), a different matrix for each seed.
+fn values(n: usize, k: usize, seed: usize) -> impl Iterator<Item = f32> {
+    (0..n * k).map(move |i| ((i * 7919 + seed * 104_729) % 2001) as f32 * 1e-3 - 1.0)
+}
+
 fn weight(cpu: &Cpu, n: usize, k: usize, dtype: DType, seed: usize) -> CpuWeight {
-    let val = |i: usize| ((i * 7919 + seed * 104_729) % 2001) as f32 * 1e-3 - 1.0;
     let data = match dtype {
-        DType::F32 => WeightData::F32((0..n * k).map(val).collect()),
-        DType::F16 => WeightData::F16((0..n * k).map(|i| f16::from_f32(val(i))).collect()),
+        DType::F32 => WeightData::F32(values(n, k, seed).collect()),
+        DType::F16 => WeightData::F16(values(n, k, seed).map(f16::from_f32).collect()),
         DType::BF16 => unreachable!("not benchmarked"),
     };
     cpu.weight(data, n, k)
@@ -168,9 +172,7 @@ fn quant_batch(c: &mut Criterion) {
     let cpu = Cpu::new();
     let mut g = c.benchmark_group("quant_batch");
     let (n, k) = (1536, 576);
-    let values: Vec<f32> = (0..n * k)
-        .map(|i| ((i * 7919) % 2001) as f32 * 1e-3 - 1.0)
-        .collect();
+    let values: Vec<f32> = values(n, k, 0).collect();
     for q in [Quant::Q8_0, Quant::Q4_1] {
         let w = cpu.weight(WeightData::quantized(&values, q), n, k);
         for m in [1, 4, 6, 8, 12, 16, 32] {

@@ -169,16 +169,22 @@ fn extreme_blocks_give_exact_sums_on_every_instruction_set() {
         (33, 35),
     ] {
         let x: Vec<f32> = (0..m).flat_map(x_row).collect();
-        for data in [
-            WeightData::Q8_0(
-                (0..n)
-                    .flat_map(|j| (0..nb).map(move |b| q8(j, b)))
-                    .collect(),
+        for (q, data) in [
+            (
+                Quant::Q8_0,
+                WeightData::Q8_0(
+                    (0..n)
+                        .flat_map(|j| (0..nb).map(move |b| q8(j, b)))
+                        .collect(),
+                ),
             ),
-            WeightData::Q4_1(
-                (0..n)
-                    .flat_map(|j| (0..nb).map(move |b| q4(j, b)))
-                    .collect(),
+            (
+                Quant::Q4_1,
+                WeightData::Q4_1(
+                    (0..n)
+                        .flat_map(|j| (0..nb).map(move |b| q4(j, b)))
+                        .collect(),
+                ),
             ),
         ] {
             let w = dequantized(&data);
@@ -199,12 +205,8 @@ fn extreme_blocks_give_exact_sums_on_every_instruction_set() {
                     assert_eq!(
                         g,
                         e,
-                        "{} {:?} m={m} n={n}: out[{}, {}]",
+                        "{} {q:?} m={m} n={n}: out[{}, {}]",
                         cpu.name(),
-                        match data {
-                            WeightData::Q8_0(_) => Quant::Q8_0,
-                            _ => Quant::Q4_1,
-                        },
                         o / n,
                         o % n
                     );

@@ -66,14 +66,15 @@ pub(super) fn pack_x(xq: &[BlockQ8x], m: usize, nb: usize, out: &mut Vec<PackedX
             }
             p.d[r] = x.d;
             p.s[r] = x.s;
-            p.sum[r] = x.qs.iter().map(|&q| q as i32).sum();
+            p.sum[r] = x.sum;
         }
     }
 }
 
 thread_local! {
-    /// Per thread: the 16 weight rows' scales `[nb][16]` (d, then m), and Q4_1's unpacked bytes.
-    static SCRATCH: RefCell<(Vec<f32>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// Per thread, for the tile kernels (this one and `vnni`): the 16 weight rows' scales
+    /// `[nb][16]` (d, then m), and their staged bytes where a kernel stages them.
+    pub(super) static SCRATCH: RefCell<(Vec<f32>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// The tile configuration: tmm0/tmm1 the 16 x 16 i32 products, tmm2/tmm3 16 weight rows of 32
@@ -357,6 +358,7 @@ mod tests {
                 qs: std::array::from_fn(|v| ((i * 31 + v * 7) % 255) as i8),
                 d: i as f32 + 0.5,
                 s: -(i as f32),
+                sum: 1000 + i as i32,
             })
             .collect();
         let mut packed = Vec::new();
@@ -368,7 +370,7 @@ mod tests {
                 let row = g * GROUP + r;
                 let (want_d, want_s, want_sum) = if row < m {
                     let x = &xq[row * nb + b];
-                    (x.d, x.s, x.qs.iter().map(|&q| q as i32).sum())
+                    (x.d, x.s, x.sum)
                 } else {
                     (0.0, 0.0, 0)
                 };

@@ -29,14 +29,21 @@ use half::f16;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 
-/// 32 activations quantized to 8 bits: `x ~ d * qs`, and `s = d * sum(qs)`.
+/// 32 activations quantized to 8 bits: `x ~ d * qs`, and `s = d * sum(qs)`; `sum` is
+/// `sum(qs)` exact (the VNNI tile kernel's offset correction).
 #[derive(Debug, Clone, Copy, Default)]
 #[repr(C)]
 pub(crate) struct BlockQ8x {
     pub(super) qs: [i8; QK],
     pub(super) d: f32,
     pub(super) s: f32,
+    pub(super) sum: i32,
 }
+
+/// 1.5 * 2^23: added to a float of magnitude below 2^22 it leaves no fraction bits, so the
+/// default rounding mode rounds to an integer (ties to even); and an integer below 2^22 in
+/// magnitude added to its bits lands in its mantissa exactly (`vnni`).
+pub(super) const MANTISSA_MAGIC: f32 = 12_582_912.0;
 
 thread_local! {
     /// The caller's quantized x rows, reused across calls.
@@ -54,15 +61,15 @@ pub(crate) fn quantize_x(x: &[f32], out: &mut Vec<BlockQ8x>) {
     out.clear();
     out.extend(x.chunks_exact(QK).map(|c| {
         let (d, id) = block_scale(c.iter().fold(0.0f32, |a, v| a.max(v.abs())));
-        // Round to nearest, ties to even, without a libm call: adding 1.5 * 2^23 leaves no
-        // fraction bits (|x * id| <= 127), so the default rounding mode does it.
-        const ROUND: f32 = 12_582_912.0;
-        let qs: [i8; QK] = std::array::from_fn(|i| ((c[i] * id + ROUND) - ROUND) as i8);
+        // Round to nearest, ties to even, without a libm call (|x * id| <= 127).
+        const M: f32 = MANTISSA_MAGIC;
+        let qs: [i8; QK] = std::array::from_fn(|i| ((c[i] * id + M) - M) as i8);
         let sum: i32 = qs.iter().map(|&q| q as i32).sum();
         BlockQ8x {
             qs,
             d: f16::from_f32(d).to_f32(),
             s: f16::from_f32(d * sum as f32).to_f32(),
+            sum,
         }
     }));
 }
@@ -95,7 +102,7 @@ unsafe fn quantize_blocks(
         let (qs, d, sum) = block(c);
         // SAFETY: F16C per the caller.
         let (d, s) = unsafe { (f16_round(d), f16_round(d * sum as f32)) };
-        out.push(BlockQ8x { qs, d, s });
+        out.push(BlockQ8x { qs, d, s, sum });
     }
 }
 
@@ -439,20 +446,9 @@ impl QDot for BlockQ4_1 {
         nb: usize,
         bytes: &mut Vec<u8>,
     ) -> (*const u8, usize, usize) {
-        // Block b of row r at bytes[(b * 16 + r) * 32..], in value order (weights256).
-        bytes.resize(nb * 16 * QK, 0);
-        let out = bytes.as_mut_ptr();
-        for r in 0..16 {
-            for b in 0..nb {
-                // SAFETY: per the caller, 16 rows of nb blocks and AVX2 (the AMX kernel runs
-                // with AVX-512); the 32 bytes written are block b of row r in `bytes`.
-                unsafe {
-                    let q = (*w.add(r * nb + b)).weights256();
-                    std::arch::x86_64::_mm256_storeu_si256(out.add((b * 16 + r) * QK).cast(), q);
-                }
-            }
-        }
-        (out.cast_const(), 16 * QK, QK)
+        // SAFETY: per the caller (the AMX kernel runs with AVX-512, so AVX2).
+        let out = unsafe { stage_rows(w, nb, bytes, false) };
+        (out, 16 * QK, QK)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -478,6 +474,36 @@ unsafe fn f16_bits(bits: u16) -> f32 {
     use std::arch::x86_64::*;
     // SAFETY: register-only F16C; the caller guarantees the feature.
     unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
+}
+
+/// The 16 rows of `nb` blocks at `w` as bytes in value order ([`QDot::weights256`]),
+/// block-major: row r's block b at `out[(b * 16 + r) * 32..]`, for the tile kernels. With
+/// `offset`, each byte is `w ^ 0x80` (`w + 128` as an unsigned byte, for `vpdpbusd`).
+///
+/// # Safety
+/// `w` must point to 16 rows of `nb` blocks, and the CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) unsafe fn stage_rows<B: QDot>(
+    w: *const B,
+    nb: usize,
+    out: &mut Vec<u8>,
+    offset: bool,
+) -> *const u8 {
+    use std::arch::x86_64::*;
+    out.resize(nb * 16 * QK, 0);
+    let dst = out.as_mut_ptr();
+    // SAFETY: per the caller; the 32 bytes written are block b of row r inside `out`.
+    unsafe {
+        let flip = _mm256_set1_epi8(if offset { i8::MIN } else { 0 });
+        for r in 0..16 {
+            for b in 0..nb {
+                let q = _mm256_xor_si256((*w.add(r * nb + b)).weights256(), flip);
+                _mm256_storeu_si256(dst.add((b * 16 + r) * QK).cast(), q);
+            }
+        }
+    }
+    dst.cast_const()
 }
 
 /// Runs `f` with `x` quantized (on the calling thread, into a buffer reused across calls), and,
@@ -745,8 +771,8 @@ mod tests {
             for (i, (p, q)) in a.iter().zip(b).enumerate() {
                 assert_eq!(p.qs, q.qs, "{name}: block {i}");
                 assert_eq!(
-                    (p.d.to_bits(), p.s.to_bits()),
-                    (q.d.to_bits(), q.s.to_bits()),
+                    (p.d.to_bits(), p.s.to_bits(), p.sum),
+                    (q.d.to_bits(), q.s.to_bits(), q.sum),
                     "{name}: block {i}"
                 );
             }

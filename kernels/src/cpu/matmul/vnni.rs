@@ -20,26 +20,15 @@
 //! AMX kernel's, so both give the same outputs.
 
 use std::arch::x86_64::*;
-use std::cell::RefCell;
 
-use super::amx::{PackedX, Tiles, GROUP, ROWS};
-use super::quant::QDot;
+use super::amx::{PackedX, Tiles, GROUP, ROWS, SCRATCH};
+use super::quant::{stage_rows, QDot, MANTISSA_MAGIC as MAGIC};
 use super::NextTile;
 use crate::quant::QK;
-
-/// 1.5 * 2^23: a float whose mantissa holds any integer below 2^22 in magnitude exactly, added
-/// to it as integers. A block's sum, once Q8_0's offset is taken off, is at most 32 * 128 * 127
-/// in magnitude (the two chains' partial sums may be anything: i32 adds wrap).
-const MAGIC: f32 = 12_582_912.0;
 
 /// Weight rows whose sums stay in registers over all the blocks (16 would spill them).
 const CHUNK: usize = 8;
 const _: () = assert!(ROWS.is_multiple_of(CHUNK));
-
-thread_local! {
-    /// Per thread: the 16 weight rows' scales `[nb][16]` (d, then m), and their bytes staged.
-    static SCRATCH: RefCell<(Vec<f32>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
-}
 
 /// [`Tiles`] with AVX-512 VNNI.
 ///
@@ -55,17 +44,16 @@ pub(super) unsafe fn gemm<B: QDot>(t: &Tiles<'_, B>) {
     SCRATCH.with(|cell| {
         let (scales, bytes) = &mut *cell.borrow_mut();
         scales.resize(2 * nb * ROWS, 0.0);
-        bytes.resize(nb * ROWS * QK, 0);
         let mut j = n0;
         // SAFETY (whole block): rows j..j + 16 of w exist (n1 <= n, a whole tile), the packed
-        // groups per the caller, `bytes` and `scales` sized above, out per the caller; the
-        // features per the caller.
+        // groups per the caller, `scales` sized above and `bytes` by `stage_rows`, out per the
+        // caller; the features per the caller.
         unsafe {
             while j < n1 {
                 let wt = w.as_ptr().add(j * nb);
                 let (dw, mw) = scales.split_at_mut(nb * ROWS);
                 B::tile_scales(wt, nb, dw.as_mut_ptr(), mw.as_mut_ptr());
-                stage::<B>(wt, nb, bytes.as_mut_ptr());
+                let staged = stage_rows(wt, nb, bytes, B::SIGNED);
                 let tile_bytes = ROWS * nb * std::mem::size_of::<B>();
                 let mut next = NextTile::new(wt, tile_bytes, j + ROWS < n1);
                 for g in 0..d.m.div_ceil(GROUP) {
@@ -75,7 +63,7 @@ pub(super) unsafe fn gemm<B: QDot>(t: &Tiles<'_, B>) {
                     for (c, part) in acc.chunks_exact_mut(CHUNK).enumerate() {
                         let mut sums = [_mm512_setzero_ps(); CHUNK];
                         for b in 0..nb {
-                            let wb = bytes.as_ptr().add((b * ROWS + c * CHUNK) * QK);
+                            let wb = staged.add((b * ROWS + c * CHUNK) * QK);
                             let at = b * ROWS + c * CHUNK;
                             block::<B>(&*xg.add(b), wb, &dw[at..], &mw[at..], &mut sums);
                             if g == 0 && c == 0 {
@@ -90,25 +78,6 @@ pub(super) unsafe fn gemm<B: QDot>(t: &Tiles<'_, B>) {
             }
         }
     });
-}
-
-/// Stages the 16 rows of `nb` blocks at `w` as unsigned bytes, block-major: row r's block b at
-/// `out[(b * 16 + r) * 32..]`, in value order, Q8_0's offset by 128.
-///
-/// # Safety
-/// `w` holds 16 rows of `nb` blocks and `out` has room for `16 * nb * 32` bytes; AVX2 and F16C.
-#[inline(always)]
-unsafe fn stage<B: QDot>(w: *const B, nb: usize, out: *mut u8) {
-    // SAFETY: per the caller.
-    unsafe {
-        let flip = _mm256_set1_epi8(if B::SIGNED { i8::MIN } else { 0 });
-        for r in 0..ROWS {
-            for b in 0..nb {
-                let q = _mm256_xor_si256((*w.add(r * nb + b)).weights256(), flip);
-                _mm256_storeu_si256(out.add((b * ROWS + r) * QK).cast(), q);
-            }
-        }
-    }
 }
 
 /// Adds one block's scaled dot products of the [`CHUNK`] staged weight rows at `wb` with the
@@ -126,8 +95,10 @@ unsafe fn block<B: QDot>(
     // at least CHUNK scales; AVX-512 F/VNNI per the caller.
     unsafe {
         // Each lane starts at the bits of the float 1.5 * 2^23: the integer sum then lands in
-        // its mantissa (|sum| < 2^22), so subtracting 1.5 * 2^23 as floats gives the sum
-        // exactly, with no conversion (which would share the multiplier's port).
+        // its mantissa (a block's sum, once Q8_0's offset is taken off, is at most
+        // 32 * 128 * 127 < 2^22; the chains' partial sums may be anything, i32 adds wrap), so
+        // subtracting 1.5 * 2^23 as floats gives it exactly, with no conversion (which Intel's
+        // cores issue on the same port as `vpdpbusd`).
         let magic = _mm512_set1_epi32(MAGIC.to_bits() as i32);
         let start = if B::SIGNED {
             // Q8_0's weights are offset by 128: start each lane at -128 * sum(x) too.
