@@ -175,7 +175,7 @@ fn quant_batch(c: &mut Criterion) {
     let values: Vec<f32> = values(n, k, 0).collect();
     for q in [Quant::Q8_0, Quant::Q4_1] {
         let w = cpu.weight(WeightData::quantized(&values, q), n, k);
-        for m in [1, 4, 6, 8, 12, 16, 32] {
+        for m in [1, 2, 3, 4, 6, 8, 12, 16, 32] {
             let x = input(m, k);
             let mut out = cpu.tensor(m, n);
             g.throughput(Throughput::Elements((2 * m * n * k) as u64));

@@ -96,7 +96,7 @@ fn quantized_gemv_matches_the_dequantized_reference() {
                 (8, 9, 96),
                 (32, 20, 576),
                 (QUANT_GEMV_MAX_ROWS, 5, 64),
-                // The tile kernels' shapes (AMX from 4 rows, AVX-512 VNNI from 6 for Q8_0 and
+                // The tile kernels' shapes (AMX from 4 rows, AVX-512 VNNI from 4 for Q8_0 and
                 // 8 for Q4_1): whole tiles of 16 weight rows and a rest, one and two groups of
                 // 16 x rows, a partial group, an odd block count, either side of the VNNI
                 // thresholds.

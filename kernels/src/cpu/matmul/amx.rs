@@ -32,20 +32,22 @@ pub(super) const GROUP: usize = 16;
 pub(super) const ROWS: usize = 16;
 
 /// One block (32 values) of a group of 16 x rows, as the tile multiply reads it, with the rows'
-/// scales: `qs[g][4 * r + t]` is value `4g + t` of row `r`; rows past the batch are zero.
-/// `sum[r]` is the exact sum of row r's 32 values (the VNNI kernel's offset correction, `vnni`).
+/// scales: `qs[g][4 * r + t]` is value `4g + t` of row `r` (offset by 128 where packed
+/// `unsigned`); rows past the batch are zero.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 pub(crate) struct PackedX {
     pub(super) qs: [[i8; 64]; 8],
     pub(super) d: [f32; GROUP],
     pub(super) s: [f32; GROUP],
-    pub(super) sum: [i32; GROUP],
 }
 
 /// Packs `m` quantized x rows of `nb` blocks into `out`: group `g`, block `b` at `g * nb + b`.
-pub(super) fn pack_x(xq: &[BlockQ8x], m: usize, nb: usize, out: &mut Vec<PackedX>) {
+/// With `unsigned`, each value is stored as `x ^ 0x80`, which read as an unsigned byte is
+/// `x + 128` (for the VNNI kernel, whose x is `vpdpbusd`'s unsigned operand).
+pub(super) fn pack_x(xq: &[BlockQ8x], m: usize, nb: usize, unsigned: bool, out: &mut Vec<PackedX>) {
     let groups = m.div_ceil(GROUP);
+    let flip = if unsigned { i8::MIN } else { 0 };
     out.clear();
     out.resize(
         groups * nb,
@@ -53,7 +55,6 @@ pub(super) fn pack_x(xq: &[BlockQ8x], m: usize, nb: usize, out: &mut Vec<PackedX
             qs: [[0; 64]; 8],
             d: [0.0; GROUP],
             s: [0.0; GROUP],
-            sum: [0; GROUP],
         },
     );
     for row in 0..m {
@@ -62,18 +63,20 @@ pub(super) fn pack_x(xq: &[BlockQ8x], m: usize, nb: usize, out: &mut Vec<PackedX
             let x = &xq[row * nb + b];
             let p = &mut out[g * nb + b];
             for (gg, qrow) in p.qs.iter_mut().enumerate() {
-                qrow[4 * r..4 * r + 4].copy_from_slice(&x.qs[4 * gg..4 * gg + 4]);
+                for (q, &v) in qrow[4 * r..4 * r + 4].iter_mut().zip(&x.qs[4 * gg..]) {
+                    *q = v ^ flip;
+                }
             }
             p.d[r] = x.d;
             p.s[r] = x.s;
-            p.sum[r] = x.sum;
         }
     }
 }
 
 thread_local! {
     /// Per thread, for the tile kernels (this one and `vnni`): the 16 weight rows' scales
-    /// `[nb][16]` (d, then m), and their staged bytes where a kernel stages them.
+    /// `[nb][16]` (d, then m; `vnni` keeps each block's starting sum after them, as i32 bits),
+    /// and their staged bytes where a kernel stages them.
     pub(super) static SCRATCH: RefCell<(Vec<f32>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
@@ -156,7 +159,7 @@ impl<B> Tiles<'_, B> {
     }
 }
 
-/// [`Tiles`] on the AMX tile unit.
+/// [`Tiles`] on the AMX tile unit; x packed signed (`pack_x` without `unsigned`).
 ///
 /// # Safety
 /// The CPU must have AVX-512F/BW and AMX-INT8, with the tile state enabled for this process
@@ -351,45 +354,47 @@ mod tests {
     #[test]
     fn packing_puts_value_4g_plus_t_of_row_r_at_4r_plus_t_of_tile_row_g() {
         // Packing is plain Rust, so this runs on any x86_64 CPU, AMX or not. 19 rows: one full
-        // group and a partial one whose missing rows must be zeros.
+        // group and a partial one whose missing rows must be zeros. Packed `unsigned`, each
+        // value read as an unsigned byte is the value plus 128.
         let (m, nb) = (19, 2);
         let xq: Vec<BlockQ8x> = (0..m * nb)
             .map(|i| BlockQ8x {
-                qs: std::array::from_fn(|v| ((i * 31 + v * 7) % 255) as i8),
+                qs: std::array::from_fn(|v| ((i * 31 + v * 7) % 256) as u8 as i8),
                 d: i as f32 + 0.5,
                 s: -(i as f32),
-                sum: 1000 + i as i32,
             })
             .collect();
-        let mut packed = Vec::new();
-        pack_x(&xq, m, nb, &mut packed);
-        assert_eq!(packed.len(), 2 * nb);
-        for (g, b) in (0..2).flat_map(|g| (0..nb).map(move |b| (g, b))) {
-            let p = &packed[g * nb + b];
-            for r in 0..GROUP {
-                let row = g * GROUP + r;
-                let (want_d, want_s, want_sum) = if row < m {
-                    let x = &xq[row * nb + b];
-                    (x.d, x.s, x.sum)
-                } else {
-                    (0.0, 0.0, 0)
-                };
-                assert_eq!(
-                    (p.d[r], p.s[r], p.sum[r]),
-                    (want_d, want_s, want_sum),
-                    "group {g} block {b} row {r}"
-                );
-                for (tile_row, t) in (0..8).flat_map(|gg| (0..4).map(move |t| (gg, t))) {
-                    let want = if row < m {
-                        xq[row * nb + b].qs[4 * tile_row + t]
+        for unsigned in [false, true] {
+            let mut packed = Vec::new();
+            pack_x(&xq, m, nb, unsigned, &mut packed);
+            assert_eq!(packed.len(), 2 * nb);
+            for (g, b) in (0..2).flat_map(|g| (0..nb).map(move |b| (g, b))) {
+                let p = &packed[g * nb + b];
+                for r in 0..GROUP {
+                    let row = g * GROUP + r;
+                    let (want_d, want_s) = if row < m {
+                        let x = &xq[row * nb + b];
+                        (x.d, x.s)
                     } else {
-                        0
+                        (0.0, 0.0)
                     };
                     assert_eq!(
-                        p.qs[tile_row][4 * r + t],
-                        want,
+                        (p.d[r], p.s[r]),
+                        (want_d, want_s),
                         "group {g} block {b} row {r}"
                     );
+                    for (tile_row, t) in (0..8).flat_map(|gg| (0..4).map(move |t| (gg, t))) {
+                        let got = p.qs[tile_row][4 * r + t];
+                        if row >= m {
+                            assert_eq!(got, 0, "group {g} block {b} row {r}");
+                        } else if unsigned {
+                            let want = xq[row * nb + b].qs[4 * tile_row + t] as i32 + 128;
+                            assert_eq!(got as u8 as i32, want, "group {g} block {b} row {r}");
+                        } else {
+                            let want = xq[row * nb + b].qs[4 * tile_row + t];
+                            assert_eq!(got, want, "group {g} block {b} row {r}");
+                        }
+                    }
                 }
             }
         }

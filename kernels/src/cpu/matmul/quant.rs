@@ -29,15 +29,13 @@ use half::f16;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 
-/// 32 activations quantized to 8 bits: `x ~ d * qs`, and `s = d * sum(qs)`; `sum` is
-/// `sum(qs)` exact (the VNNI tile kernel's offset correction).
+/// 32 activations quantized to 8 bits: `x ~ d * qs`, and `s = d * sum(qs)`.
 #[derive(Debug, Clone, Copy, Default)]
 #[repr(C)]
 pub(crate) struct BlockQ8x {
     pub(super) qs: [i8; QK],
     pub(super) d: f32,
     pub(super) s: f32,
-    pub(super) sum: i32,
 }
 
 /// 1.5 * 2^23: added to a float of magnitude below 2^22 it leaves no fraction bits, so the
@@ -69,7 +67,6 @@ pub(crate) fn quantize_x(x: &[f32], out: &mut Vec<BlockQ8x>) {
             qs,
             d: f16::from_f32(d).to_f32(),
             s: f16::from_f32(d * sum as f32).to_f32(),
-            sum,
         }
     }));
 }
@@ -102,7 +99,7 @@ unsafe fn quantize_blocks(
         let (qs, d, sum) = block(c);
         // SAFETY: F16C per the caller.
         let (d, s) = unsafe { (f16_round(d), f16_round(d * sum as f32)) };
-        out.push(BlockQ8x { qs, d, s, sum });
+        out.push(BlockQ8x { qs, d, s });
     }
 }
 
@@ -210,8 +207,9 @@ pub(crate) trait QDot: QuantBlock {
     /// From this many x rows the VNNI tile kernel (`vnni`) runs where there is no AMX. Its 16
     /// lanes are 16 x rows, so a small batch leaves most of them idle; below this the AVX2
     /// staged kernel, whose lanes hold a block's values, does more (`quant_batch` in the
-    /// kernels' matmul bench: the two kernels are level at 4-5 rows for Q8_0 and 7-8 for Q4_1,
-    /// whose tiles also pay for unpacking the nibbles of 16 weight rows).
+    /// kernels' matmul bench: the tiles lead from 4 rows for Q8_0, whose weights they read
+    /// where they lie, and from 8 for Q4_1, whose tiles also pay for unpacking the nibbles of
+    /// 16 weight rows).
     const VNNI_TILE_MIN_ROWS: usize;
 
     /// `[d, m, 0, 0]` widened (m = 0 for Q8_0).
@@ -252,7 +250,7 @@ pub(crate) trait QDot: QuantBlock {
     /// `tdpbssd`, and `vpmaddubsw` directly or `tdpbusd`.
     const SIGNED: bool;
 
-    /// The 16 rows of `nb` blocks at `w` as the AMX tile loads read them: block `b` of the 16
+    /// The 16 rows of `nb` blocks at `w` as the tile kernels read them: block `b` of the 16
     /// rows is 16 rows of 32 bytes at `base + b * block_step`, `stride` bytes apart. Returns
     /// `(base, block_step, stride)`; formats stored otherwise are unpacked into `bytes`.
     ///
@@ -270,9 +268,39 @@ pub(crate) trait QDot: QuantBlock {
     ///
     /// # Safety
     /// `w` must point to 16 rows of `nb` blocks, `dw` and `mw` to `16 * nb` f32s each, and the
-    /// CPU must support F16C.
+    /// CPU must support AVX-512F (and so F16C).
     #[cfg(target_arch = "x86_64")]
     unsafe fn tile_scales(w: *const Self, nb: usize, dw: *mut f32, mw: *mut f32);
+}
+
+/// [`QDot::tile_scales`] for blocks of `size` bytes that begin with their f16 `d` (and, with
+/// `mw`, the f16 `m` after it): one gather per block reads the first 4 bytes of all 16 rows'
+/// blocks, and F16C widens the 16 `d` (and `m`) at once.
+///
+/// # Safety
+/// As [`QDot::tile_scales`]; every block is at least 4 bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn gather_scales(w: *const u8, size: usize, nb: usize, dw: *mut f32, mw: Option<*mut f32>) {
+    use std::arch::x86_64::*;
+    let stride = i32::try_from(nb * size).expect("a weight row fits a gather's offsets");
+    assert!(size >= 4 && stride.checked_mul(15).is_some());
+    // SAFETY: per the caller: the gathered dwords are the first 4 bytes of row r's block b,
+    // the stores 16 scales each at b * 16; AVX-512F per the caller.
+    unsafe {
+        let rows = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(stride),
+        );
+        for b in 0..nb {
+            let v = _mm512_i32gather_epi32::<1>(rows, w.add(b * size).cast());
+            _mm512_storeu_ps(dw.add(b * 16), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
+            if let Some(mw) = mw {
+                let m = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(v));
+                _mm512_storeu_ps(mw.add(b * 16), _mm512_cvtph_ps(m));
+            }
+        }
+    }
 }
 
 impl QDot for BlockQ8_0 {
@@ -289,7 +317,7 @@ impl QDot for BlockQ8_0 {
 
     const HAS_OFFSET: bool = false;
 
-    const VNNI_TILE_MIN_ROWS: usize = 6;
+    const VNNI_TILE_MIN_ROWS: usize = 4;
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -352,12 +380,9 @@ impl QDot for BlockQ8_0 {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn tile_scales(w: *const Self, nb: usize, dw: *mut f32, _: *mut f32) {
-        for r in 0..16 {
-            for b in 0..nb {
-                // SAFETY: per the caller: 16 rows of nb blocks, 16 * nb scales, F16C.
-                unsafe { *dw.add(b * 16 + r) = f16_bits((*w.add(r * nb + b)).d.to_bits()) };
-            }
-        }
+        const { assert!(std::mem::offset_of!(BlockQ8_0, d) == 0) };
+        // SAFETY: per the caller; `d` leads the 34-byte block.
+        unsafe { gather_scales(w.cast(), std::mem::size_of::<Self>(), nb, dw, None) }
     }
 }
 
@@ -447,23 +472,19 @@ impl QDot for BlockQ4_1 {
         bytes: &mut Vec<u8>,
     ) -> (*const u8, usize, usize) {
         // SAFETY: per the caller (the AMX kernel runs with AVX-512, so AVX2).
-        let out = unsafe { stage_rows(w, nb, bytes, false) };
+        let out = unsafe { stage_rows(w, nb, bytes) };
         (out, 16 * QK, QK)
     }
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn tile_scales(w: *const Self, nb: usize, dw: *mut f32, mw: *mut f32) {
-        for r in 0..16 {
-            for b in 0..nb {
-                // SAFETY: per the caller: 16 rows of nb blocks, 16 * nb scales each, F16C.
-                unsafe {
-                    let blk = &*w.add(r * nb + b);
-                    *dw.add(b * 16 + r) = f16_bits(blk.d.to_bits());
-                    *mw.add(b * 16 + r) = f16_bits(blk.m.to_bits());
-                }
-            }
-        }
+        const {
+            assert!(std::mem::offset_of!(BlockQ4_1, d) == 0);
+            assert!(std::mem::offset_of!(BlockQ4_1, m) == 2);
+        };
+        // SAFETY: per the caller; `d`, then `m`, lead the 20-byte block.
+        unsafe { gather_scales(w.cast(), std::mem::size_of::<Self>(), nb, dw, Some(mw)) }
     }
 }
 
@@ -477,28 +498,21 @@ unsafe fn f16_bits(bits: u16) -> f32 {
 }
 
 /// The 16 rows of `nb` blocks at `w` as bytes in value order ([`QDot::weights256`]),
-/// block-major: row r's block b at `out[(b * 16 + r) * 32..]`, for the tile kernels. With
-/// `offset`, each byte is `w ^ 0x80` (`w + 128` as an unsigned byte, for `vpdpbusd`).
+/// block-major: row r's block b at `out[(b * 16 + r) * 32..]`, for the tile kernels.
 ///
 /// # Safety
 /// `w` must point to 16 rows of `nb` blocks, and the CPU must support AVX2.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(super) unsafe fn stage_rows<B: QDot>(
-    w: *const B,
-    nb: usize,
-    out: &mut Vec<u8>,
-    offset: bool,
-) -> *const u8 {
+pub(super) unsafe fn stage_rows<B: QDot>(w: *const B, nb: usize, out: &mut Vec<u8>) -> *const u8 {
     use std::arch::x86_64::*;
     out.resize(nb * 16 * QK, 0);
     let dst = out.as_mut_ptr();
     // SAFETY: per the caller; the 32 bytes written are block b of row r inside `out`.
     unsafe {
-        let flip = _mm256_set1_epi8(if offset { i8::MIN } else { 0 });
         for r in 0..16 {
             for b in 0..nb {
-                let q = _mm256_xor_si256((*w.add(r * nb + b)).weights256(), flip);
+                let q = (*w.add(r * nb + b)).weights256();
                 _mm256_storeu_si256(dst.add((b * 16 + r) * QK).cast(), q);
             }
         }
@@ -537,13 +551,21 @@ pub(super) fn with_quantized_x<R>(
         if packed {
             return XP.with(|packed| {
                 let mut xp = packed.borrow_mut();
-                super::amx::pack_x(&xq, m, k / QK, &mut xp);
+                // The VNNI kernel's x is `vpdpbusd`'s unsigned operand.
+                super::amx::pack_x(&xq, m, k / QK, !on_amx(isa), &mut xp);
                 f(&xq, &xp)
             });
         }
         let _ = (m, k, packed);
         f(&xq, &[])
     })
+}
+
+/// Whether the tile kernels run on the AMX tile unit (x packed signed) rather than with AVX-512
+/// VNNI (x packed unsigned): one test for both the packing and the kernel.
+#[cfg(target_arch = "x86_64")]
+fn on_amx(isa: Isa) -> bool {
+    isa == Isa::Amx
 }
 
 /// x rows packed for the tile kernels.
@@ -591,7 +613,7 @@ pub(super) unsafe fn gemv_range<B: QDot>(
                 n1: tiles,
                 out: out.0,
             };
-            if isa == Isa::Amx {
+            if on_amx(isa) {
                 super::amx::gemm(&t);
             } else {
                 super::vnni::gemm(&t);
@@ -696,41 +718,42 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn the_amx_staging_puts_each_weight_and_scale_where_the_tile_loads_read_it() {
-        // Staging and scales are plain AVX2/F16C, so this runs on any CPU with AVX2, AMX or not.
-        if Isa::detect() == Isa::Portable {
+        // Staging and scales are plain AVX-512, so this runs on any CPU with AVX-512, AMX or not.
+        if !Isa::detect().avx512() {
             return;
         }
-        let nb = 3;
-        let (mut bytes, mut dw, mut mw) = (Vec::new(), vec![0.0; 16 * nb], vec![0.0; 16 * nb]);
-        let q8: Vec<BlockQ8_0> = rows16(nb);
-        let q4: Vec<BlockQ4_1> = rows16(nb);
-        // SAFETY: 16 rows of nb blocks, 16 * nb scales; AVX2/F16C detected above.
-        unsafe {
-            let (base, step, stride) = BlockQ8_0::amx_stage(q8.as_ptr(), nb, &mut bytes);
-            BlockQ8_0::tile_scales(q8.as_ptr(), nb, dw.as_mut_ptr(), mw.as_mut_ptr());
-            for (r, b, i) in
-                (0..16).flat_map(|r| (0..nb).flat_map(move |b| (0..QK).map(move |i| (r, b, i))))
-            {
-                let blk = &q8[r * nb + b];
-                assert_eq!(*base.add(b * step + r * stride + i) as i8, blk.qs[i]);
-                assert_eq!(dw[b * 16 + r], blk.d.to_f32());
-            }
-            let (base, step, stride) = BlockQ4_1::amx_stage(q4.as_ptr(), nb, &mut bytes);
-            BlockQ4_1::tile_scales(q4.as_ptr(), nb, dw.as_mut_ptr(), mw.as_mut_ptr());
-            for (r, b, i) in
-                (0..16).flat_map(|r| (0..nb).flat_map(move |b| (0..QK).map(move |i| (r, b, i))))
-            {
-                let blk = &q4[r * nb + b];
-                let want = if i < QK / 2 {
-                    blk.qs[i] & 15
-                } else {
-                    blk.qs[i - QK / 2] >> 4
-                };
-                assert_eq!(*base.add(b * step + r * stride + i), want);
-                assert_eq!(
-                    (dw[b * 16 + r], mw[b * 16 + r]),
-                    (blk.d.to_f32(), blk.m.to_f32())
-                );
+        for nb in [1, 3, 18] {
+            let (mut bytes, mut dw, mut mw) = (Vec::new(), vec![0.0; 16 * nb], vec![0.0; 16 * nb]);
+            let q8: Vec<BlockQ8_0> = rows16(nb);
+            let q4: Vec<BlockQ4_1> = rows16(nb);
+            // SAFETY: 16 rows of nb blocks, 16 * nb scales; AVX-512F detected above.
+            unsafe {
+                let (base, step, stride) = BlockQ8_0::amx_stage(q8.as_ptr(), nb, &mut bytes);
+                BlockQ8_0::tile_scales(q8.as_ptr(), nb, dw.as_mut_ptr(), mw.as_mut_ptr());
+                for (r, b, i) in
+                    (0..16).flat_map(|r| (0..nb).flat_map(move |b| (0..QK).map(move |i| (r, b, i))))
+                {
+                    let blk = &q8[r * nb + b];
+                    assert_eq!(*base.add(b * step + r * stride + i) as i8, blk.qs[i]);
+                    assert_eq!(dw[b * 16 + r], blk.d.to_f32());
+                }
+                let (base, step, stride) = BlockQ4_1::amx_stage(q4.as_ptr(), nb, &mut bytes);
+                BlockQ4_1::tile_scales(q4.as_ptr(), nb, dw.as_mut_ptr(), mw.as_mut_ptr());
+                for (r, b, i) in
+                    (0..16).flat_map(|r| (0..nb).flat_map(move |b| (0..QK).map(move |i| (r, b, i))))
+                {
+                    let blk = &q4[r * nb + b];
+                    let want = if i < QK / 2 {
+                        blk.qs[i] & 15
+                    } else {
+                        blk.qs[i - QK / 2] >> 4
+                    };
+                    assert_eq!(*base.add(b * step + r * stride + i), want);
+                    assert_eq!(
+                        (dw[b * 16 + r], mw[b * 16 + r]),
+                        (blk.d.to_f32(), blk.m.to_f32())
+                    );
+                }
             }
         }
     }
@@ -771,8 +794,8 @@ mod tests {
             for (i, (p, q)) in a.iter().zip(b).enumerate() {
                 assert_eq!(p.qs, q.qs, "{name}: block {i}");
                 assert_eq!(
-                    (p.d.to_bits(), p.s.to_bits(), p.sum),
-                    (q.d.to_bits(), q.s.to_bits(), q.sum),
+                    (p.d.to_bits(), p.s.to_bits()),
+                    (q.d.to_bits(), q.s.to_bits()),
                     "{name}: block {i}"
                 );
             }
