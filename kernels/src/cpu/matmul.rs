@@ -79,7 +79,7 @@ fn tiled<B: QDot>(isa: Isa, m: usize) -> bool {
 }
 
 /// Most x rows quantized and packed at once on the tile path: a longer prefill runs in slices
-/// of this many rows, so the per-thread buffers of quantized x stay bounded (about 2.6 bytes
+/// of this many rows, so the per-thread buffers of quantized x stay bounded (about 2.5 bytes
 /// per activation value, kept for the thread's next call) whatever the prompt's length.
 const TILE_ROWS_PER_PASS: usize = 512;
 
