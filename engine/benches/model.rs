@@ -281,26 +281,30 @@ fn main() {
         // others print as 0), for a profile or a quick comparison of one kernel.
         let figures = std::env::var("KVGATE_BENCH_FIGURES").unwrap_or_default();
         let want = |f: &str| figures.is_empty() || figures.split(',').any(|w| w.trim() == f);
-        // The median of three runs of a wanted figure, after one untimed warm-up run of
+        // The median of `runs` runs of a wanted figure, after one untimed warm-up run of
         // `warm_up` (a figure that needs none passes a no-op).
         let mut figure = |f: &str,
+                          runs: usize,
                           warm_up: &mut dyn FnMut(&mut Runner),
                           run: &mut dyn FnMut(&mut Runner) -> f64| {
             if !want(f) {
                 return 0.0;
             }
             warm_up(&mut r);
-            median((0..3).map(|_| run(&mut r)).collect())
+            median((0..runs).map(|_| run(&mut r)).collect())
         };
+        // Three runs, as llama.cpp's figures beside them. The batched figure has no peer, and
+        // one run is only 32 steps (about a second), so it takes five.
         let decode = figure(
             "decode",
+            3,
             &mut |r| {
                 decode_tok_s(r, 16);
             },
             &mut |r| decode_tok_s(r, 128),
         );
-        let prefill = figure("prefill", &mut |_| {}, &mut |r| prefill_tok_s(r, 512));
-        let batched = figure("batched", &mut |_| {}, &mut |r| batched_tok_s(r, 32, 32));
+        let prefill = figure("prefill", 3, &mut |_| {}, &mut |r| prefill_tok_s(r, 512));
+        let batched = figure("batched", 5, &mut |_| {}, &mut |r| batched_tok_s(r, 32, 32));
         // 0 rather than a division by a figure not measured (JSON has no infinity).
         let batched_over_single = if decode > 0.0 { batched / decode } else { 0.0 };
         let weight_gb_s = decode * weight_bytes / 1e9;

@@ -15,6 +15,7 @@
 
 pub mod attention;
 mod cache;
+pub mod logits;
 mod matmul;
 mod norm_rope;
 mod pool;

@@ -10,8 +10,8 @@
 //!
 //! The weight tile is read where it lies: a Q8_0 block's 32 values are contiguous, so 16 rows of
 //! block `b` are one strided tile load from the GGUF layout. Q4_1's nibbles are unpacked to bytes
-//! first, once per 16 rows for all x rows. The x rows are packed once per call on the calling
-//! thread ([`pack_x`]): the tile multiply wants its right-hand tile as 8 rows of 64 bytes, row g
+//! first, once per 16 rows for all x rows. The x rows are packed once per call, a group of 16
+//! per task ([`pack_group`]): the tile multiply wants its right-hand tile as 8 rows of 64 bytes, row g
 //! holding values `4g..4g + 4` of each of the 16 x rows in turn.
 //!
 //! The arithmetic is the AVX2 kernel's: the same quantized x, exact integer block sums, f32
@@ -42,29 +42,38 @@ pub(crate) struct PackedX {
     pub(super) s: [f32; GROUP],
 }
 
-/// Packs `m` quantized x rows of `nb` blocks into `out`: group `g`, block `b` at `g * nb + b`.
-/// With `unsigned`, each value is stored as `x ^ 0x80`, which read as an unsigned byte is
-/// `x + 128` (for the VNNI kernel, whose x is `vpdpbusd`'s unsigned operand).
-pub(super) fn pack_x(xq: &[BlockQ8x], m: usize, nb: usize, unsigned: bool, out: &mut Vec<PackedX>) {
-    let groups = m.div_ceil(GROUP);
-    let flip = if unsigned { i8::MIN } else { 0 };
-    out.clear();
-    out.resize(
-        groups * nb,
-        PackedX {
-            qs: [[0; 64]; 8],
-            d: [0.0; GROUP],
-            s: [0.0; GROUP],
-        },
-    );
-    for row in 0..m {
-        let (g, r) = (row / GROUP, row % GROUP);
-        for b in 0..nb {
-            let x = &xq[row * nb + b];
-            let p = &mut out[g * nb + b];
-            for (gg, qrow) in p.qs.iter_mut().enumerate() {
-                for (q, &v) in qrow[4 * r..4 * r + 4].iter_mut().zip(&x.qs[4 * gg..]) {
-                    *q = v ^ flip;
+impl PackedX {
+    pub(super) const ZERO: PackedX = PackedX {
+        qs: [[0; 64]; 8],
+        d: [0.0; GROUP],
+        s: [0.0; GROUP],
+    };
+}
+
+/// Packs one group of quantized x rows (at most [`GROUP`], `nb` blocks each, row after row in
+/// `xq`) into its `nb` packed blocks `out`; rows past the group's end are zeros. With
+/// `unsigned`, each value is stored as `x ^ 0x80`, which read as an unsigned byte is `x + 128`
+/// (for the VNNI kernel, whose x is `vpdpbusd`'s unsigned operand).
+pub(super) fn pack_group(xq: &[BlockQ8x], nb: usize, unsigned: bool, out: &mut [PackedX]) {
+    let rows = xq.len() / nb.max(1);
+    assert!(rows <= GROUP && out.len() == nb);
+    let flip = if unsigned { 0x8080_8080u32 } else { 0 };
+    for (b, p) in out.iter_mut().enumerate() {
+        for r in 0..GROUP {
+            let Some(x) = xq.get(r * nb + b).filter(|_| r < rows) else {
+                for qrow in &mut p.qs {
+                    qrow[4 * r..4 * r + 4].fill(0);
+                }
+                p.d[r] = 0.0;
+                p.s[r] = 0.0;
+                continue;
+            };
+            // Four values at a time: value `4g + t` of the row goes to byte `4r + t` of tile
+            // row `g`.
+            for (g, qrow) in p.qs.iter_mut().enumerate() {
+                let v = u32::from_ne_bytes(std::array::from_fn(|t| x.qs[4 * g + t] as u8)) ^ flip;
+                for (q, byte) in qrow[4 * r..4 * r + 4].iter_mut().zip(v.to_ne_bytes()) {
+                    *q = byte as i8;
                 }
             }
             p.d[r] = x.d;
@@ -113,7 +122,7 @@ impl TileConfig {
 }
 
 /// The operands of a tile kernel (this one, or `vnni`'s): columns `n0..n1` (`n1 - n0` a
-/// multiple of 16) of `out = x @ w^T`, x packed by [`pack_x`]. `xp` holds `ceil(m / 16) * nb`
+/// multiple of 16) of `out = x @ w^T`, x packed by [`pack_group`]. `xp` holds `ceil(m / 16) * nb`
 /// packed blocks, `w` holds `n * nb` blocks, and `out` points to `m * n` f32s of which the
 /// kernel may write columns `n0..n1`.
 pub(super) struct Tiles<'a, B> {
@@ -159,7 +168,7 @@ impl<B> Tiles<'_, B> {
     }
 }
 
-/// [`Tiles`] on the AMX tile unit; x packed signed (`pack_x` without `unsigned`).
+/// [`Tiles`] on the AMX tile unit; x packed signed (`pack_group` without `unsigned`).
 ///
 /// # Safety
 /// The CPU must have AVX-512F/BW and AMX-INT8, with the tile state enabled for this process
@@ -365,9 +374,19 @@ mod tests {
             })
             .collect();
         for unsigned in [false, true] {
-            let mut packed = Vec::new();
-            pack_x(&xq, m, nb, unsigned, &mut packed);
-            assert_eq!(packed.len(), 2 * nb);
+            // Stale contents where the packed blocks are reused must not show through.
+            let mut packed = vec![
+                PackedX {
+                    qs: [[-3; 64]; 8],
+                    d: [7.0; GROUP],
+                    s: [9.0; GROUP],
+                };
+                2 * nb
+            ];
+            for (g, out) in packed.chunks_mut(nb).enumerate() {
+                let rows = &xq[g * GROUP * nb..((g + 1) * GROUP).min(m) * nb];
+                pack_group(rows, nb, unsigned, out);
+            }
             for (g, b) in (0..2).flat_map(|g| (0..nb).map(move |b| (g, b))) {
                 let p = &packed[g * nb + b];
                 for r in 0..GROUP {

@@ -53,22 +53,22 @@ thread_local! {
     static ROW: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Quantizes `x` (rows of `k` values, `k` a multiple of 32) into `out`, block by block:
-/// `d = max|x| / 127`, `q = round(x / d)` (ties to even, as `vcvtps2dq` rounds).
-pub(crate) fn quantize_x(x: &[f32], out: &mut Vec<BlockQ8x>) {
-    out.clear();
-    out.extend(x.chunks_exact(QK).map(|c| {
+/// Quantizes `x` (rows of `k` values, `k` a multiple of 32) into `out` (one block per 32
+/// values), block by block: `d = max|x| / 127`, `q = round(x / d)` (ties to even, as
+/// `vcvtps2dq` rounds).
+pub(crate) fn quantize_x(x: &[f32], out: &mut [BlockQ8x]) {
+    for (c, o) in x.chunks_exact(QK).zip(out) {
         let (d, id) = block_scale(c.iter().fold(0.0f32, |a, v| a.max(v.abs())));
         // Round to nearest, ties to even, without a libm call (|x * id| <= 127).
         const M: f32 = MANTISSA_MAGIC;
         let qs: [i8; QK] = std::array::from_fn(|i| ((c[i] * id + M) - M) as i8);
         let sum: i32 = qs.iter().map(|&q| q as i32).sum();
-        BlockQ8x {
+        *o = BlockQ8x {
             qs,
             d: f16::from_f32(d).to_f32(),
             s: f16::from_f32(d * sum as f32).to_f32(),
-        }
-    }));
+        };
+    }
 }
 
 /// `d` and `1 / d` of a block whose largest magnitude is `amax` (0 for a block of zeros).
@@ -87,19 +87,17 @@ fn block_scale(amax: f32) -> (f32, f32) {
 #[inline(always)]
 unsafe fn quantize_blocks(
     x: &[f32],
-    out: &mut Vec<BlockQ8x>,
+    out: &mut [BlockQ8x],
     block: impl Fn(&[f32]) -> ([i8; QK], f32, i32),
 ) {
     // A plain loop, not an iterator: inlined into the caller with its features, so the F16C
     // conversions inline too (in a closure of their own they were calls, a visible share of a
     // batch's serial work).
-    out.clear();
-    out.reserve(x.len() / QK);
-    for c in x.chunks_exact(QK) {
+    for (c, o) in x.chunks_exact(QK).zip(out) {
         let (qs, d, sum) = block(c);
         // SAFETY: F16C per the caller.
         let (d, s) = unsafe { (f16_round(d), f16_round(d * sum as f32)) };
-        out.push(BlockQ8x { qs, d, s });
+        *o = BlockQ8x { qs, d, s };
     }
 }
 
@@ -125,7 +123,7 @@ unsafe fn f16_round(v: f32) -> f32 {
 /// The CPU must support AVX-512F and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,f16c")]
-unsafe fn quantize_x_avx512(x: &[f32], out: &mut Vec<BlockQ8x>) {
+unsafe fn quantize_x_avx512(x: &[f32], out: &mut [BlockQ8x]) {
     use std::arch::x86_64::*;
     // SAFETY: each block holds 32 values; AVX-512F and F16C per the caller.
     unsafe {
@@ -157,7 +155,7 @@ unsafe fn quantize_x_avx512(x: &[f32], out: &mut Vec<BlockQ8x>) {
 /// The CPU must support AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn quantize_x_avx2(x: &[f32], out: &mut Vec<BlockQ8x>) {
+unsafe fn quantize_x_avx2(x: &[f32], out: &mut [BlockQ8x]) {
     use std::arch::x86_64::*;
     // SAFETY: each block holds 32 values; AVX2 and F16C per the caller.
     unsafe {
@@ -520,8 +518,11 @@ pub(super) unsafe fn stage_rows<B: QDot>(w: *const B, nb: usize, out: &mut Vec<u
     dst.cast_const()
 }
 
-/// Runs `f` with `x` quantized (on the calling thread, into a buffer reused across calls), and,
-/// when `packed` is set, also packed for the tile kernels (`m` rows of `k` values).
+/// Runs `f` with `x` quantized (`m` rows of `k` values) and, when `packed` is set, also packed
+/// for the tile kernels, into buffers of the calling thread reused across calls. The rows are
+/// quantized and packed in groups of 16 (the tile kernels' x groups), one task per group across
+/// the CPU pool when there are several: in a batch of 32 decodes, done on the calling thread
+/// alone while the other threads waited, they were about a tenth of a step.
 pub(super) fn with_quantized_x<R>(
     isa: Isa,
     x: &[f32],
@@ -530,35 +531,75 @@ pub(super) fn with_quantized_x<R>(
     packed: bool,
     f: impl FnOnce(&[BlockQ8x], &[Packed]) -> R,
 ) -> R {
+    let nb = k / QK;
     XQ.with(|cell| {
         let mut xq = cell.borrow_mut();
+        // Every block is written below; the old contents only save a fill.
+        xq.resize(m * nb, BlockQ8x::default());
         #[cfg(target_arch = "x86_64")]
-        if isa.avx512() {
-            // SAFETY: the AVX-512 ISAs are only chosen with AVX-512F and F16C.
-            unsafe { quantize_x_avx512(x, &mut xq) };
-        } else if isa == Isa::Avx2 {
-            // SAFETY: Isa::Avx2 is only chosen with AVX2, FMA and F16C.
-            unsafe { quantize_x_avx2(x, &mut xq) };
-        } else {
-            quantize_x(x, &mut xq);
+        {
+            XP.with(|cell| {
+                let mut xp = cell.borrow_mut();
+                let groups = if packed { m.div_ceil(X_GROUP) } else { 0 };
+                xp.resize(groups * nb, super::amx::PackedX::ZERO);
+                // The VNNI kernel's x is `vpdpbusd`'s unsigned operand.
+                let unsigned = !on_amx(isa);
+                if m <= X_GROUP {
+                    quantize_rows(isa, x, &mut xq);
+                    if packed {
+                        super::amx::pack_group(&xq, nb, unsigned, &mut xp);
+                    }
+                    return f(&xq, &xp);
+                }
+                let mut xps = xp.chunks_mut(nb.max(1));
+                let parts: Vec<_> = x
+                    .chunks(X_GROUP * k.max(1))
+                    .zip(xq.chunks_mut(X_GROUP * nb.max(1)))
+                    .map(|(xs, qs)| std::sync::Mutex::new((xs, qs, xps.next())))
+                    .collect();
+                let task = |g: usize| {
+                    let mut part = parts[g].lock().unwrap_or_else(|p| p.into_inner());
+                    let (xs, qs, ps) = &mut *part;
+                    quantize_rows(isa, xs, qs);
+                    if let Some(ps) = ps {
+                        super::amx::pack_group(qs, nb, unsigned, ps);
+                    }
+                };
+                super::pool().run(parts.len(), &task);
+                drop(parts);
+                f(&xq, &xp)
+            })
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let _ = isa;
-            quantize_x(x, &mut xq);
+            let _ = packed;
+            quantize_rows(isa, x, &mut xq);
+            f(&xq, &[])
         }
-        #[cfg(target_arch = "x86_64")]
-        if packed {
-            return XP.with(|packed| {
-                let mut xp = packed.borrow_mut();
-                // The VNNI kernel's x is `vpdpbusd`'s unsigned operand.
-                super::amx::pack_x(&xq, m, k / QK, !on_amx(isa), &mut xp);
-                f(&xq, &xp)
-            });
-        }
-        let _ = (m, k, packed);
-        f(&xq, &[])
     })
+}
+
+/// x rows per quantizing task (the tile kernels' group of x rows).
+#[cfg(target_arch = "x86_64")]
+const X_GROUP: usize = super::amx::GROUP;
+
+/// `x` quantized into `out` with the widest quantizer the CPU has (all give the same blocks).
+fn quantize_rows(isa: Isa, x: &[f32], out: &mut [BlockQ8x]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa.avx512() {
+        // SAFETY: the AVX-512 ISAs are only chosen with AVX-512F and F16C.
+        unsafe { quantize_x_avx512(x, out) };
+    } else if isa == Isa::Avx2 {
+        // SAFETY: Isa::Avx2 is only chosen with AVX2, FMA and F16C.
+        unsafe { quantize_x_avx2(x, out) };
+    } else {
+        quantize_x(x, out);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        quantize_x(x, out);
+    }
 }
 
 /// Whether the tile kernels run on the AMX tile unit (x packed signed) rather than with AVX-512
@@ -776,15 +817,16 @@ mod tests {
         for (i, v) in x[3 * QK..4 * QK].iter_mut().enumerate() {
             *v = if i % 2 == 0 { 3.0e38 } else { -1.0e-30 };
         }
-        let mut a = Vec::new();
+        let blocks = || vec![BlockQ8x::default(); x.len() / QK];
+        let mut a = blocks();
         quantize_x(&x, &mut a);
         let mut simd: Vec<(&str, Vec<BlockQ8x>)> = Vec::new();
-        let mut b = Vec::new();
+        let mut b = blocks();
         // SAFETY: every ISA above Portable has AVX2 and F16C.
         unsafe { quantize_x_avx2(&x, &mut b) };
         simd.push(("avx2", b));
         if isa.avx512() {
-            let mut b = Vec::new();
+            let mut b = blocks();
             // SAFETY: AVX-512F (and F16C, which every AVX-512 CPU has) detected above.
             unsafe { quantize_x_avx512(&x, &mut b) };
             simd.push(("avx512", b));
