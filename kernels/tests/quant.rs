@@ -353,3 +353,39 @@ fn quantized_blocks_take_their_file_size_in_memory() {
     assert_eq!(q8.size_bytes(), n * k / QK * 34);
     assert_eq!(q4.size_bytes(), n * k / QK * 20);
 }
+
+#[test]
+fn one_input_is_quantized_once_for_several_projections_and_again_when_it_changes() {
+    // The Q, K and V projections read one x: the first quantizes it, the others reuse that
+    // while x is unchanged. Each output must equal the same matmul on a fresh copy of its input,
+    // bit for bit, and a change to x in place must reach the next projection.
+    for cpu in backends() {
+        for q in [Quant::Q8_0, Quant::Q4_1] {
+            for m in [1, 20, 32] {
+                let (n, k) = (48, 576);
+                let mut r = rng(m as u64 + 11);
+                let x = blocky(&mut r, m * k, 1.0, 0.0);
+                let x2: Vec<f32> = x.iter().map(|v| 0.5 - v).collect();
+                let ws: Vec<_> = (0..2)
+                    .map(|_| {
+                        let w = blocky(&mut r, n * k, 0.5, 0.1);
+                        cpu.weight(WeightData::quantized(&w, q), n, k)
+                    })
+                    .collect();
+                let run = |xt: &kvgate_kernels::cpu::CpuTensor, w| {
+                    let mut out = cpu.tensor(0, 0);
+                    cpu.matmul(xt, w, None, &mut out);
+                    cpu.download(&out)
+                };
+                let fresh = |xv: &[f32], w| run(&cpu.upload(xv, m, k), w);
+                let want = [fresh(&x, &ws[0]), fresh(&x, &ws[1]), fresh(&x2, &ws[0])];
+                let what = format!("{} {q:?} m={m}", cpu.name());
+                let mut xt = cpu.upload(&x, m, k);
+                assert_eq!(run(&xt, &ws[0]), want[0], "{what}: first projection");
+                assert_eq!(run(&xt, &ws[1]), want[1], "{what}: second projection");
+                xt.as_mut_slice().copy_from_slice(&x2);
+                assert_eq!(run(&xt, &ws[0]), want[2], "{what}: after x changed");
+            }
+        }
+    }
+}

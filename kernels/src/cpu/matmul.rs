@@ -162,8 +162,8 @@ pub(crate) fn matmul(
         WeightStore::Dense(Store::F32(ws)) => run(isa, xs, &ws[..], dims, os),
         WeightStore::Dense(Store::F16(ws)) => run(isa, xs, &ws[..], dims, os),
         WeightStore::Dense(Store::BF16(ws)) => run(isa, xs, &ws[..], dims, os),
-        WeightStore::Q8_0(ws) => run_quant(isa, xs, ws, dims, os),
-        WeightStore::Q4_1(ws) => run_quant(isa, xs, ws, dims, os),
+        WeightStore::Q8_0(ws) => run_quant(isa, xs, Some(x.stamp()), ws, dims, os),
+        WeightStore::Q4_1(ws) => run_quant(isa, xs, Some(x.stamp()), ws, dims, os),
     }
     if let Some(b) = bias {
         assert_eq!(
@@ -278,8 +278,9 @@ impl<B: QDot> Weights for Quantized<'_, B> {
     }
 }
 
-/// `out = x @ w^T` for quantized `w`: the GEMV quantizes x once, on the calling thread.
-fn run_quant<B: QDot>(isa: Isa, x: &[f32], w: &[B], d: Dims, out: &mut [f32]) {
+/// `out = x @ w^T` for quantized `w`: x is quantized once per call, or not at all when the
+/// calling thread's last call quantized the same tensor unchanged (`stamp`, [`CpuTensor`]'s).
+fn run_quant<B: QDot>(isa: Isa, x: &[f32], stamp: Option<u64>, w: &[B], d: Dims, out: &mut [f32]) {
     if int8_tiles(isa) && d.m > TILE_ROWS_PER_PASS && d.k > 0 && d.n > 0 {
         // A long prefill in slices of rows (out is row-major, so each slice is contiguous).
         for (xs, os) in x
@@ -290,12 +291,12 @@ fn run_quant<B: QDot>(isa: Isa, x: &[f32], w: &[B], d: Dims, out: &mut [f32]) {
                 m: xs.len() / d.k,
                 ..d
             };
-            run_quant(isa, xs, w, rows, os);
+            run_quant(isa, xs, None, w, rows, os);
         }
         return;
     }
     if d.m <= quantized_x_max_rows(isa) && d.k > 0 {
-        quant::with_quantized_x(isa, x, d.m, d.k, tiled::<B>(isa, d.m), |xq, xp| {
+        quant::with_quantized_x(isa, x, stamp, d.m, d.k, tiled::<B>(isa, d.m), |xq, xp| {
             run(isa, x, &Quantized { w, xq, xp }, d, out)
         });
     } else {

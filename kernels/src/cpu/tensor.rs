@@ -18,22 +18,61 @@ pub struct CpuTensor {
     data: Vec<f32>,
     rows: usize,
     cols: usize,
+    stamp: Stamp,
+}
+
+/// A value no other tensor, and no other state of this one, ever has: new at creation, at each
+/// clone and at each mutable access. The quantized matmuls key their quantized copy of x by it,
+/// so the Q, K and V projections of one input quantize it once.
+#[derive(Debug)]
+pub(crate) struct Stamp(u64);
+
+impl Stamp {
+    fn fresh() -> Stamp {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Stamp(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+impl Default for Stamp {
+    fn default() -> Self {
+        Stamp::fresh()
+    }
+}
+
+impl Clone for Stamp {
+    fn clone(&self) -> Self {
+        Stamp::fresh()
+    }
+}
+
+/// Tensors compare by their values; the stamp is not one.
+impl PartialEq for Stamp {
+    fn eq(&self, _: &Stamp) -> bool {
+        true
+    }
 }
 
 impl CpuTensor {
     /// A zeroed `[rows, cols]` matrix.
     pub fn zeros(rows: usize, cols: usize) -> Self {
-        CpuTensor {
-            data: vec![0.0; rows * cols],
-            rows,
-            cols,
-        }
+        Self::from_vec(vec![0.0; rows * cols], rows, cols)
     }
 
     /// Wraps `data` (`rows * cols` values, row-major).
     pub fn from_vec(data: Vec<f32>, rows: usize, cols: usize) -> Self {
         assert_eq!(data.len(), rows * cols, "tensor data length != rows * cols");
-        CpuTensor { data, rows, cols }
+        CpuTensor {
+            data,
+            rows,
+            cols,
+            stamp: Stamp::fresh(),
+        }
+    }
+
+    /// This tensor's current [`Stamp`]: equal stamps mean the same tensor, unchanged.
+    pub(crate) fn stamp(&self) -> u64 {
+        self.stamp.0
     }
 
     /// Number of rows.
@@ -53,6 +92,7 @@ impl CpuTensor {
 
     /// The values, row-major, mutable.
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        self.stamp = Stamp::fresh();
         &mut self.data
     }
 
@@ -64,6 +104,7 @@ impl CpuTensor {
     /// Gives the tensor shape `[rows, cols]`, keeping the allocation when it is large enough.
     /// Contents are unspecified afterwards (kernels overwrite every value).
     pub fn set_shape(&mut self, rows: usize, cols: usize) {
+        self.stamp = Stamp::fresh();
         self.data.resize(rows * cols, 0.0);
         self.rows = rows;
         self.cols = cols;

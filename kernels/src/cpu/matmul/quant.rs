@@ -46,6 +46,8 @@ pub(super) const MANTISSA_MAGIC: f32 = 12_582_912.0;
 thread_local! {
     /// The caller's quantized x rows, reused across calls.
     static XQ: RefCell<Vec<BlockQ8x>> = const { RefCell::new(Vec::new()) };
+    /// What XQ and XP hold: the x tensor's stamp and how it was quantized and packed.
+    static HELD: std::cell::Cell<Option<Held>> = const { std::cell::Cell::new(None) };
     /// The same rows packed for the tile kernels.
     #[cfg(target_arch = "x86_64")]
     static XP: RefCell<Vec<Packed>> = const { RefCell::new(Vec::new()) };
@@ -518,22 +520,53 @@ pub(super) unsafe fn stage_rows<B: QDot>(w: *const B, nb: usize, out: &mut Vec<u
     dst.cast_const()
 }
 
+/// What the calling thread's quantized x buffers hold.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Held {
+    stamp: u64,
+    m: usize,
+    k: usize,
+    packed: bool,
+    isa: Isa,
+}
+
 /// Runs `f` with `x` quantized (`m` rows of `k` values) and, when `packed` is set, also packed
 /// for the tile kernels, into buffers of the calling thread reused across calls. The rows are
 /// quantized and packed in groups of 16 (the tile kernels' x groups), one task per group across
 /// the CPU pool when there are several: in a batch of 32 decodes, done on the calling thread
 /// alone while the other threads waited, they were about a tenth of a step.
+///
+/// With a `stamp` ([`crate::cpu::CpuTensor`]'s) equal to the last call's, the same shape,
+/// packing and instruction set, x is the tensor the buffers already hold, unchanged, and is not
+/// quantized again: the Q, K and V projections of one step read one quantized x.
 pub(super) fn with_quantized_x<R>(
     isa: Isa,
     x: &[f32],
+    stamp: Option<u64>,
     m: usize,
     k: usize,
     packed: bool,
     f: impl FnOnce(&[BlockQ8x], &[Packed]) -> R,
 ) -> R {
     let nb = k / QK;
+    let held = stamp.map(|stamp| Held {
+        stamp,
+        m,
+        k,
+        packed,
+        isa,
+    });
     XQ.with(|cell| {
         let mut xq = cell.borrow_mut();
+        if held.is_some() && HELD.get() == held {
+            #[cfg(target_arch = "x86_64")]
+            return XP.with(|cell| f(&xq, &cell.borrow()));
+            #[cfg(not(target_arch = "x86_64"))]
+            return f(&xq, &[]);
+        }
+        // Until the buffers are whole again, they hold nothing anyone may reuse (a task that
+        // panics leaves them half written).
+        HELD.set(None);
         // Every block is written below; the old contents only save a fill.
         xq.resize(m * nb, BlockQ8x::default());
         #[cfg(target_arch = "x86_64")]
@@ -549,6 +582,7 @@ pub(super) fn with_quantized_x<R>(
                     if packed {
                         super::amx::pack_group(&xq, nb, unsigned, &mut xp);
                     }
+                    HELD.set(held);
                     return f(&xq, &xp);
                 }
                 let mut xps = xp.chunks_mut(nb.max(1));
@@ -567,6 +601,7 @@ pub(super) fn with_quantized_x<R>(
                 };
                 super::pool().run(parts.len(), &task);
                 drop(parts);
+                HELD.set(held);
                 f(&xq, &xp)
             })
         }
@@ -574,6 +609,7 @@ pub(super) fn with_quantized_x<R>(
         {
             let _ = packed;
             quantize_rows(isa, x, &mut xq);
+            HELD.set(held);
             f(&xq, &[])
         }
     })
