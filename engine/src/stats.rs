@@ -112,6 +112,8 @@ pub struct TierStats {
     pub exports: u64,
     pub exported_blocks: u64,
     pub exports_refused: u64,
+    /// Asks of those transfers that waited for a step here to compute the blocks asked for.
+    pub export_waits: u64,
 }
 
 /// Peer fetches by how they ended.

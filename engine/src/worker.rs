@@ -136,7 +136,17 @@ pub enum Command {
 
 /// For a peer: `tokens` hashed in `scope`, the blocks from `from` on, at most `count`, in order,
 /// as far as the device pool and host tier hold them.
-pub type ExportJob = (ExportAsk, oneshot::Sender<Vec<disk::Frame>>);
+pub type ExportJob = (ExportAsk, oneshot::Sender<Exported>);
+
+/// The answer to one [`ExportAsk`].
+#[derive(Debug, Default)]
+pub struct Exported {
+    pub frames: Vec<disk::Frame>,
+    /// The read stopped at a block this engine is computing (a step in progress writes it, or
+    /// a prompt in prefill here reaches it in a later step): asked again from there, the answer
+    /// waits for it.
+    pub pending: bool,
+}
 
 /// What a peer asks to be sent: it must know the prompt (tokens and scope), not only hashes.
 #[derive(Debug)]
@@ -219,6 +229,9 @@ pub struct Worker<B: Backend> {
     compute: String,
     /// Peers' asks for blocks, answered between steps and between a step's layers.
     export_asks: Option<Receiver<ExportJob>>,
+    /// Asks that wait for blocks this engine is computing, answered after the step that does
+    /// (at most one per transfer served at once).
+    waiting_exports: Vec<ExportJob>,
 }
 
 /// Stack of the thread that computes grammar masks beside the forward pass.
@@ -284,6 +297,7 @@ impl<B: Backend> Worker<B> {
             peer: None,
             compute: compute_id(&model.backend().compute_unit()),
             export_asks: None,
+            waiting_exports: Vec::new(),
             model,
         }
     }
@@ -340,6 +354,8 @@ impl<B: Backend> Worker<B> {
                     }
                 }
                 self.step();
+                // The step computed blocks that waiting asks may want.
+                self.serve_exports();
             } else if self.has_loads() {
                 // Nothing to compute until a read lands (or the disk takes more of a drain's
                 // writes): wait on the disk, a little at a time.
@@ -764,9 +780,16 @@ impl<B: Backend> Worker<B> {
                     ids.binary_search(&id).is_ok()
                 };
                 let (kv, swap_blocks) = (&self.sched.kv, self.swap_blocks);
-                self.model.forward_with(&batch, &mut |blocks| {
-                    tiers::serve_exports(kv, blocks, swap_blocks, asks, written)
-                })
+                let waiting = &mut self.waiting_exports;
+                let mut waited = 0;
+                let logits = self.model.forward_with(&batch, &mut |blocks| {
+                    waited += tiers::serve_exports(kv, blocks, swap_blocks, asks, &written, waiting)
+                });
+                if waited > 0 {
+                    self.metrics
+                        .update(|m| m.tiers.export_waits += waited as u64);
+                }
+                logits
             }
             None => self.model.forward(&batch),
         };

@@ -292,20 +292,38 @@ fn a_prefix_comes_from_the_peer_that_holds_it_and_a_bad_peer_costs_only_a_recomp
     );
 }
 
-/// A peer answers a fetch while it computes (between the layers of a step), and never sends a
-/// block that the step is still writing: a taker that fetches a prompt while its holder is part
-/// way through it gets the blocks computed so far, computes the rest, and answers exactly as the
-/// holder does.
-#[test]
-fn a_peer_computing_the_prompt_sends_only_what_it_has_computed() {
-    use kvgate_tests::gateway::gated_engine;
+/// A system prompt of `rules` similar sentences and a short question.
+fn tides_prompt(rules: usize) -> String {
     let mut prompt = String::from("You are a careful assistant for questions about tides. ");
-    for i in 0..40 {
+    for i in 0..rules {
         prompt.push_str(&format!(
             "Rule {i}: answer about tides plainly, cite no sources, and keep to the point. "
         ));
     }
     prompt.push_str("Now say one word.");
+    prompt
+}
+
+/// Waits until engine `e` has `n` KV blocks in use (a prefill it started has allocated them).
+fn wait_for_blocks(e: &Engine, n: usize) {
+    let started = std::time::Instant::now();
+    while e.metric("kvgate_kv_blocks{state=\"used\"}") < n as f64 {
+        assert!(
+            started.elapsed().as_secs() < 120,
+            "the engine never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// A peer answers a fetch while it computes (between the layers of a step), and never sends a
+/// block before a step has computed it: a taker that fetches a prompt while its holder is part
+/// way through it (two blocks a step) waits for the blocks still being computed, and answers
+/// exactly as the holder does.
+#[test]
+fn a_peer_computing_the_prompt_sends_only_what_it_has_computed() {
+    use kvgate_tests::gateway::gated_engine;
+    let prompt = tides_prompt(40);
     // Two blocks a step: the holder takes many steps over the prompt, and each one writes blocks
     // of it.
     let holder = gated_engine(
@@ -321,19 +339,16 @@ host_cache_blocks = 128",
     let want = std::thread::scope(|scope| {
         let computing = scope.spawn(|| gated_ask(&holder, "acme", &prompt, &[]));
         // Once the holder has allocated its fourth block, its first two are computed.
-        let started = std::time::Instant::now();
-        while holder.metric("kvgate_kv_blocks{state=\"used\"}") < 4.0 {
-            assert!(
-                started.elapsed().as_secs() < 120,
-                "the holder never started"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        wait_for_blocks(&holder, 4);
         let hint = [("x-kvgate-prefix-peer", peer.as_str())];
         let (got, cached) = gated_ask(&taker, "acme", &prompt, &hint);
         let (want, _) = computing.join().unwrap();
         assert_eq!(got, want, "a block the holder had not computed was sent");
         assert!(cached >= 32, "only {cached} tokens came from the peer");
+        assert!(
+            holder.metric("kvgate_kv_peer_export_waits_total") >= 1.0,
+            "no ask waited for the holder's prefill"
+        );
         want
     });
     // The whole prompt, once computed, comes over in full.
@@ -345,6 +360,54 @@ host_cache_blocks = 128",
     let (got, cached) = gated_ask(&again, "acme", &prompt, &hint);
     assert_eq!(got, want);
     assert!(cached >= 600, "only {cached} tokens came from the peer");
+}
+
+/// A request sent to one engine while another computes its prompt copies the whole prompt
+/// once that prefill ends, instead of computing what the holder had not reached when it asked:
+/// it gets as many cached tokens as from a holder that had finished, and the same answer.
+#[test]
+fn a_fetch_from_a_peer_in_prefill_waits_for_the_whole_prompt() {
+    use kvgate_tests::gateway::gated_engine;
+    let prompt = tides_prompt(14);
+    let holder = gated_engine(
+        "blocks = 128
+[scheduler]
+max_batched_tokens = 64",
+    );
+    // Both takers start before the holder computes anything: an engine takes a while to load.
+    let [early_taker, late_taker] = [(); 2].map(|_| {
+        gated_engine(
+            "blocks = 128
+host_cache_blocks = 128",
+        )
+    });
+    let peer = format!("http://{}", holder.addr);
+    let hint = [("x-kvgate-prefix-peer", peer.as_str())];
+    let (early, early_cached, want) = std::thread::scope(|scope| {
+        let computing = scope.spawn(|| gated_ask(&holder, "acme", &prompt, &[]));
+        // Four blocks a step: once the fourth block is taken, most of the prompt is still to
+        // be computed.
+        wait_for_blocks(&holder, 4);
+        let (got, cached) = gated_ask(&early_taker, "acme", &prompt, &hint);
+        (got, cached, computing.join().unwrap().0)
+    });
+    assert!(
+        holder.metric("kvgate_kv_peer_export_waits_total") >= 1.0,
+        "the fetch never waited for the holder's prefill"
+    );
+    let (late, late_cached) = gated_ask(&late_taker, "acme", &prompt, &hint);
+    assert_eq!(
+        (early.as_str(), late.as_str()),
+        (want.as_str(), want.as_str())
+    );
+    assert!(
+        late_cached >= 208,
+        "only {late_cached} tokens from a finished holder"
+    );
+    assert_eq!(
+        early_cached, late_cached,
+        "a fetch during the holder's prefill brought less than one after it"
+    );
 }
 
 /// A tenant's blocks serve only its own scope in every tier: another tenant asking the same

@@ -453,6 +453,19 @@ impl KvCacheManager {
         true
     }
 
+    /// Whether a sequence here will compute block `hash`: one of its prompt blocks that its
+    /// prefill has not reached yet (a peer asking for it may wait for the step that does).
+    pub fn will_compute(&self, hash: BlockHash) -> bool {
+        let b = self.block_size;
+        self.seqs.values().any(|s| {
+            s.host.is_none()
+                && s.hashes
+                    .iter()
+                    .skip(s.table.num_tokens() / b)
+                    .any(|&h| h == hash)
+        })
+    }
+
     fn register_full_block(&mut self, state: &mut SeqState, logical: usize, id: BlockId) {
         let parent = logical.checked_sub(1).map(|p| state.hashes[p]);
         // Prompt blocks were hashed at admission; later blocks (generated tokens) now.

@@ -348,6 +348,13 @@ fn tier_metrics(o: &mut String, t: &crate::stats::TierStats) {
         "Blocks this engine sent to peers.",
         t.exported_blocks,
     );
+    scalar(
+        o,
+        "kvgate_kv_peer_export_waits_total",
+        "counter",
+        "Asks of peer transfers that waited for this engine to compute the blocks asked for.",
+        t.export_waits,
+    );
     by_label(
         o,
         "kvgate_kv_tier_promotions_total",

@@ -24,6 +24,12 @@
 //!   prefix, for small models): a transfer waits a layer's time, not a step's. A blocking thread
 //!   frames and MACs them. At most [`MAX_EXPORTS`] transfers run at once, each for at most
 //!   30 s.
+//! - **A holder still computing the prefix.** A read that reaches a block this engine is
+//!   computing (the step in progress writes it, or a prompt in prefill here reaches it in a
+//!   later step) waits for the step that computes it, and the transfer goes on from there. So a
+//!   request sent away from a busy engine that is computing its tenant's prompt copies the
+//!   prompt when that prefill ends instead of computing it a second time. The wait is bounded
+//!   by the fetch's time limit: past it, the requester computes what has not come.
 
 use super::http::{self, error_response, RespBody};
 use super::ServerState;
@@ -52,9 +58,12 @@ pub const MAX_FETCHES: usize = 2;
 const EXPORT_CHUNK_BYTES: usize = 32 << 20;
 /// How long a transfer may take to be served, whatever its reader does.
 const EXPORT_DEADLINE: Duration = Duration::from_secs(30);
-/// A fetch's time limit: this, plus [`FETCH_SECS_PER_BLOCK`] per block asked for.
+/// A fetch's time limit: this, plus [`FETCH_SECS_PER_BLOCK`] per block asked for (about a
+/// block's prefill on a slow CPU: a peer still computing the prompt sends each block when a step
+/// has computed it), and at most [`FETCH_STALL`] without a byte.
 const FETCH_BASE: Duration = Duration::from_secs(1);
-const FETCH_SECS_PER_BLOCK: f64 = 0.005;
+const FETCH_SECS_PER_BLOCK: f64 = 0.025;
+const FETCH_STALL: Duration = Duration::from_secs(1);
 /// A peer that failed, timed out or was busy is not asked again for this long.
 const PEER_BACKOFF: Duration = Duration::from_secs(10);
 /// Peers remembered in the back-off table (the gateway names engines it knows).
@@ -152,9 +161,10 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
                 {
                     return sent;
                 }
-                let Ok(frames) = frames.await else {
+                let Ok(got) = frames.await else {
                     return sent;
                 };
+                let (frames, pending) = (got.frames, got.pending);
                 let n = frames.len();
                 // Framing and the MAC are work for a blocking thread, not the engine's nor the
                 // async runtime's.
@@ -183,7 +193,9 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
                     }
                 }
                 sent += n;
-                if n < chunk {
+                // Short of the chunk, the read reached the end of what this engine holds,
+                // unless it stopped at a block being computed: the next ask waits for it.
+                if n < chunk && !pending {
                     return sent;
                 }
             }
@@ -270,6 +282,8 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
     };
     match &ended {
         Ended::Busy => state.peer_backoff.hold_off(peer),
+        // Cut short while the peer was still sending (or computing what it sends): it works.
+        Ended::Failed(why) if why == "timed out" && blocks > 0 => {}
         Ended::Failed(why) => {
             tracing::warn!(peer, %why, "a peer transfer failed; the rest is computed");
             state.peer_backoff.hold_off(peer);
@@ -323,8 +337,10 @@ async fn transfer(
     let mut buf: Vec<u8> = Vec::with_capacity(frame_len);
     let mut done = 0;
     while done < want.len() {
-        let Some(next) = body.frame().await else {
-            break;
+        let next = match tokio::time::timeout(FETCH_STALL, body.frame()).await {
+            Ok(Some(next)) => next,
+            Ok(None) => break,
+            Err(_) => return Ended::Failed("timed out".into()),
         };
         let data = match next {
             Ok(d) => d,

@@ -380,68 +380,108 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    /// Answers every export waiting in the queue, between two steps.
-    pub(super) fn serve_exports(&self) {
+    /// Answers the asks that waited for a step and every new one in the queue, between two
+    /// steps.
+    pub(super) fn serve_exports(&mut self) {
         if let Some(asks) = &self.export_asks {
-            serve_exports(
+            let waited = serve_exports(
                 &self.sched.kv,
                 &self.model.blocks(),
                 self.swap_blocks,
                 asks,
-                |_| false,
+                &|_| false,
+                &mut self.waiting_exports,
             );
+            if waited > 0 {
+                self.metrics
+                    .update(|m| m.tiers.export_waits += waited as u64);
+            }
         }
     }
 }
 
-/// Answers every export waiting in `asks`: for each, the blocks of its prompt (hashed in its
-/// scope) from its `from` on, in order, as far as the device pool and the host tier hold them,
-/// stopping at a device block for which `writing` is true (one a step in progress writes). The
-/// caller frames them off this thread.
+/// Answers the asks in `waiting`, then every new one in `asks`, stopping each read at a device
+/// block for which `writing` is true (one a step in progress writes). An ask whose read stops,
+/// before its first block, at a block this engine is computing is kept in `waiting` instead, to
+/// be answered after the step; the others are answered, marked `pending` where they stop at
+/// such a block. Returns how many new asks were kept. The caller frames the blocks off this
+/// thread.
 pub(super) fn serve_exports<B: Backend>(
     kv: &KvCacheManager,
     blocks: &Blocks<'_, B>,
     swap_blocks: u32,
     asks: &Receiver<ExportJob>,
-    writing: impl Fn(u32) -> bool,
-) {
-    while let Ok((ask, reply)) = asks.try_recv() {
-        // A scope this engine never used holds nothing here.
-        let Some(scope) = kv.known_scope(&ask.scope) else {
-            let _ = reply.send(Vec::new());
+    writing: &impl Fn(u32) -> bool,
+    waiting: &mut Vec<ExportJob>,
+) -> usize {
+    let mut kept = 0;
+    let new = std::iter::from_fn(|| asks.try_recv().ok().map(|job| (true, job)));
+    for (is_new, (ask, reply)) in std::mem::take(waiting)
+        .into_iter()
+        .map(|job| (false, job))
+        .chain(new)
+    {
+        // An asker that gave up (its time limit) is not waited for.
+        if reply.is_closed() {
             continue;
-        };
-        // Only the tokens up to the last block asked for are hashed.
-        let reach = ask
-            .from
-            .saturating_add(ask.count)
-            .saturating_mul(kv.block_size())
-            .min(ask.tokens.len());
-        let hashed = kv.hash_prompt(scope, &ask.tokens[..reach]);
-        let hashes = hashed.hashes();
-        let from = ask.from.min(hashes.len());
-        let to = from.saturating_add(ask.count).min(hashes.len());
-        let mut out = Vec::new();
-        for &hash in &hashes[from..to] {
-            let (bytes, scope) = if let Some(id) = kv.index().get(hash) {
-                if writing(id.0) {
-                    break;
-                }
-                (blocks.read(false, id.0), kv.pool().meta(id).scope)
-            } else if let Some(slot) = kv.host_tier().get(hash) {
-                let Some(b) = kv.host_tier().block(slot) else {
-                    break;
-                };
-                (blocks.read(true, swap_blocks + slot), b.scope)
-            } else {
+        }
+        let got = export(kv, blocks, swap_blocks, &ask, writing);
+        if got.pending && got.frames.is_empty() {
+            waiting.push((ask, reply));
+            kept += usize::from(is_new);
+        } else {
+            let _ = reply.send(got);
+        }
+    }
+    kept
+}
+
+/// For one ask: the blocks of its prompt (hashed in its scope) from its `from` on, in order, as
+/// far as the device pool and the host tier hold them, and whether the read stopped at a block
+/// this engine is computing.
+fn export<B: Backend>(
+    kv: &KvCacheManager,
+    blocks: &Blocks<'_, B>,
+    swap_blocks: u32,
+    ask: &super::ExportAsk,
+    writing: &impl Fn(u32) -> bool,
+) -> super::Exported {
+    // A scope this engine never used holds nothing here.
+    let Some(scope) = kv.known_scope(&ask.scope) else {
+        return super::Exported::default();
+    };
+    // Only the tokens up to the last block asked for are hashed.
+    let reach = ask
+        .from
+        .saturating_add(ask.count)
+        .saturating_mul(kv.block_size())
+        .min(ask.tokens.len());
+    let hashed = kv.hash_prompt(scope, &ask.tokens[..reach]);
+    let hashes = hashed.hashes();
+    let from = ask.from.min(hashes.len());
+    let to = from.saturating_add(ask.count).min(hashes.len());
+    let mut out = super::Exported::default();
+    for &hash in &hashes[from..to] {
+        let (bytes, scope) = if let Some(id) = kv.index().get(hash) {
+            if writing(id.0) {
+                out.pending = true;
+                break;
+            }
+            (blocks.read(false, id.0), kv.pool().meta(id).scope)
+        } else if let Some(slot) = kv.host_tier().get(hash) {
+            let Some(b) = kv.host_tier().block(slot) else {
                 break;
             };
-            out.push(Frame {
-                hash,
-                scope: kv.scope_name(scope).to_owned(),
-                payload: bytes,
-            });
-        }
-        let _ = reply.send(out);
+            (blocks.read(true, swap_blocks + slot), b.scope)
+        } else {
+            out.pending = kv.will_compute(hash);
+            break;
+        };
+        out.frames.push(Frame {
+            hash,
+            scope: kv.scope_name(scope).to_owned(),
+            payload: bytes,
+        });
     }
+    out
 }
