@@ -60,9 +60,10 @@ const EXPORT_CHUNK_BYTES: usize = 32 << 20;
 const EXPORT_DEADLINE: Duration = Duration::from_secs(30);
 /// A fetch's time limit: this, plus [`FETCH_SECS_PER_BLOCK`] per block asked for (about a
 /// block's prefill on a slow CPU: a peer still computing the prompt sends each block when a step
-/// has computed it), and at most [`FETCH_STALL`] without a byte.
+/// has computed it), at most [`FETCH_MAX`] in all and [`FETCH_STALL`] without a byte.
 const FETCH_BASE: Duration = Duration::from_secs(1);
 const FETCH_SECS_PER_BLOCK: f64 = 0.025;
+const FETCH_MAX: Duration = Duration::from_secs(10);
 const FETCH_STALL: Duration = Duration::from_secs(1);
 /// A peer that failed, timed out or was busy is not asked again for this long.
 const PEER_BACKOFF: Duration = Duration::from_secs(10);
@@ -256,7 +257,8 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
     }
     let want: Vec<BlockHash> = want.into_iter().take(MAX_FETCH_BLOCKS).collect();
     let started = Instant::now();
-    let limit = FETCH_BASE + Duration::from_secs_f64(FETCH_SECS_PER_BLOCK * want.len() as f64);
+    let limit = (FETCH_BASE + Duration::from_secs_f64(FETCH_SECS_PER_BLOCK * want.len() as f64))
+        .min(FETCH_MAX);
     let ask_body = ExportBody {
         scope: scope.clone(),
         tokens: prompt.to_vec(),
