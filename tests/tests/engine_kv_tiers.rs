@@ -410,6 +410,97 @@ host_cache_blocks = 128",
     );
 }
 
+/// A requester that leaves while its ask waits for the holder to compute a block frees the
+/// holder's transfer slot within moments, not at the transfer's 30 s deadline: the holder serves
+/// two transfers at a time, and two abandoned waits must not refuse the next peer. (Here the
+/// holder keeps computing, so the next frame's failed write would also end the transfer; the
+/// transfer also ends as soon as its stream closes, for a wait that produces no frame.)
+#[test]
+fn an_abandoned_wait_frees_the_holders_transfer_slot() {
+    use kvgate_tests::gateway::{gated_engine, ENGINE_TOKEN};
+    use std::io::{Read, Write};
+    // One block a step over a 60-block prompt: the holder computes for many steps.
+    let holder = gated_engine(
+        "blocks = 256
+[scheduler]
+max_batched_tokens = 16",
+    );
+    let tokens: Vec<String> = (0..960)
+        .map(|i| (1000 + i * 7 % 3000).to_string())
+        .collect();
+    let tokens = tokens.join(",");
+    let auth = format!("Bearer {ENGINE_TOKEN}");
+    let headers = [
+        ("authorization", auth.as_str()),
+        ("x-kvgate-tenant", "acme"),
+        ("x-kvgate-scope", "acme"),
+    ];
+    let completion = format!(
+        r#"{{"model":"{}","prompt":[{tokens}],"max_tokens":1,"temperature":0}}"#,
+        kvgate_tests::MODEL
+    );
+    let ask = format!(r#"{{"scope":"acme","tokens":[{tokens}],"from":0}}"#);
+    std::thread::scope(|scope| {
+        let computing = scope.spawn(|| {
+            kvgate_tests::request(
+                holder.addr,
+                "POST",
+                "/v1/completions",
+                &headers,
+                &completion,
+            )
+        });
+        wait_for_blocks(&holder, 4);
+        // Two transfers that wait for the prompt's later blocks, then leave.
+        for _ in 0..2 {
+            let mut s = std::net::TcpStream::connect(holder.addr).expect("connect");
+            let head = format!(
+                "POST /kv/blocks HTTP/1.1\r\nhost: x\r\nauthorization: {auth}\r\n\
+                 content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                ask.len()
+            );
+            s.write_all(head.as_bytes()).expect("write");
+            s.write_all(ask.as_bytes()).expect("write");
+            let mut first = [0u8; 12];
+            s.read_exact(&mut first).expect("status line");
+            assert!(
+                first.starts_with(b"HTTP/1.1 200"),
+                "{:?}",
+                String::from_utf8_lossy(&first)
+            );
+            drop(s);
+        }
+        // The next peer is served, while the holder is still computing.
+        let started = std::time::Instant::now();
+        let mut status = 0;
+        while started.elapsed().as_secs() < 3 {
+            let s = std::net::TcpStream::connect(holder.addr).expect("connect");
+            drop(s);
+            let r = kvgate_tests::request(
+                holder.addr,
+                "POST",
+                "/kv/blocks",
+                &[("authorization", auth.as_str())],
+                r#"{"scope":"acme","tokens":[1,2,3],"from":0}"#,
+            );
+            status = r.status;
+            if status == 200 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        assert!(
+            !computing.is_finished(),
+            "the holder finished before the check"
+        );
+        assert_eq!(
+            status, 200,
+            "abandoned waits still hold the holder's transfer slots"
+        );
+        assert_eq!(computing.join().unwrap().status, 200);
+    });
+}
+
 /// A tenant's blocks serve only its own scope in every tier: another tenant asking the same
 /// prompt computes it, whether the blocks sit in the pool, in host memory, or on disk after a
 /// restart, and gets exactly the same output.

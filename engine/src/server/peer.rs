@@ -60,11 +60,10 @@ const EXPORT_CHUNK_BYTES: usize = 32 << 20;
 const EXPORT_DEADLINE: Duration = Duration::from_secs(30);
 /// A fetch's time limit: this, plus [`FETCH_SECS_PER_BLOCK`] per block asked for (about a
 /// block's prefill on a slow CPU: a peer still computing the prompt sends each block when a step
-/// has computed it), at most [`FETCH_MAX`] in all and [`FETCH_STALL`] without a byte.
+/// has computed it, and one step of a CPU's prefill may take a second), at most [`FETCH_MAX`].
 const FETCH_BASE: Duration = Duration::from_secs(1);
 const FETCH_SECS_PER_BLOCK: f64 = 0.025;
 const FETCH_MAX: Duration = Duration::from_secs(10);
-const FETCH_STALL: Duration = Duration::from_secs(1);
 /// A peer that failed, timed out or was busy is not asked again for this long.
 const PEER_BACKOFF: Duration = Duration::from_secs(10);
 /// Peers remembered in the back-off table (the gateway names engines it knows).
@@ -90,14 +89,17 @@ impl Backoff {
     }
 }
 
-/// What a peer asks for: the prompt's tokens in a scope, from block `from` on. The exporter
-/// hashes them itself, so a transfer needs the prompt, not only its hashes.
+/// What a peer asks for: the prompt's tokens in a scope, from block `from` on, `blocks` of them
+/// at most (all it holds when absent). The exporter hashes them itself, so a transfer needs the
+/// prompt, not only its hashes.
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ExportBody {
     scope: String,
     tokens: Vec<u32>,
     from: usize,
+    #[serde(default)]
+    blocks: Option<usize>,
 }
 
 async fn ask<T>(
@@ -142,19 +144,22 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
         scope,
         tokens,
         from,
+        blocks,
     } = parsed;
     let tokens = Arc::new(tokens);
+    let wanted = blocks.unwrap_or(MAX_FETCH_BLOCKS).min(MAX_FETCH_BLOCKS);
     let chunk = (EXPORT_CHUNK_BYTES / codec.block_bytes.max(1)).clamp(1, MAX_FETCH_BLOCKS);
     tokio::spawn(async move {
         let _permit = permit;
         let serve = async {
             let mut sent = 0;
-            while sent < MAX_FETCH_BLOCKS {
+            while sent < wanted {
+                let count = chunk.min(wanted - sent);
                 let ask_for = ExportAsk {
                     scope: scope.clone(),
                     tokens: tokens.clone(),
                     from: from + sent,
-                    count: chunk.min(MAX_FETCH_BLOCKS - sent),
+                    count,
                 };
                 let (reply, frames) = oneshot::channel();
                 if state.export_asks.send((ask_for, reply)).is_err()
@@ -162,7 +167,13 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
                 {
                     return sent;
                 }
-                let Ok(got) = frames.await else {
+                // A requester that leaves (its time limit) ends the transfer at once, and with
+                // it an ask waiting for a block: the permit goes back now, not at the deadline.
+                let got = tokio::select! {
+                    got = frames => got,
+                    () = tx.closed() => return sent,
+                };
+                let Ok(got) = got else {
                     return sent;
                 };
                 let (frames, pending) = (got.frames, got.pending);
@@ -194,9 +205,9 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
                     }
                 }
                 sent += n;
-                // Short of the chunk, the read reached the end of what this engine holds,
+                // Short of its count, the read reached the end of what this engine holds,
                 // unless it stopped at a block being computed: the next ask waits for it.
-                if n < chunk && !pending {
+                if n < count && !pending {
                     return sent;
                 }
             }
@@ -263,6 +274,7 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
         scope: scope.clone(),
         tokens: prompt.to_vec(),
         from,
+        blocks: Some(want.len()),
     };
     let got = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let ended = tokio::time::timeout(
@@ -339,10 +351,8 @@ async fn transfer(
     let mut buf: Vec<u8> = Vec::with_capacity(frame_len);
     let mut done = 0;
     while done < want.len() {
-        let next = match tokio::time::timeout(FETCH_STALL, body.frame()).await {
-            Ok(Some(next)) => next,
-            Ok(None) => break,
-            Err(_) => return Ended::Failed("timed out".into()),
+        let Some(next) = body.frame().await else {
+            break;
         };
         let data = match next {
             Ok(d) => d,
