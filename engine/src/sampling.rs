@@ -178,7 +178,9 @@ impl Sampler {
             return Err(SamplingError::NoFiniteLogits);
         }
         self.adjust(logits);
-        let (argmax, max) = select::sanitize(logits).ok_or(SamplingError::AllMasked)?;
+        // NaN to -inf, +inf to f32::MAX, and the argmax (lowest id on ties), in one pass.
+        let (argmax, max) =
+            kvgate_kernels::cpu::logits::clean_argmax(logits).ok_or(SamplingError::AllMasked)?;
         let token = match &self.filter {
             None => argmax,
             Some(filter) => {

@@ -355,7 +355,9 @@ impl<B: Backend> Worker<B> {
                 }
                 self.step();
                 // The step computed blocks that waiting asks may want.
-                self.serve_exports();
+                if !self.waiting_exports.is_empty() {
+                    self.serve_exports();
+                }
             } else if self.has_loads() {
                 // Nothing to compute until a read lands (or the disk takes more of a drain's
                 // writes): wait on the disk, a little at a time.
@@ -779,16 +781,16 @@ impl<B: Backend> Worker<B> {
                     });
                     ids.binary_search(&id).is_ok()
                 };
+                // Only new asks: those waiting for a block wait for the step's end (between
+                // steps), when what this step writes becomes readable.
                 let (kv, swap_blocks) = (&self.sched.kv, self.swap_blocks);
                 let waiting = &mut self.waiting_exports;
                 let mut waited = 0;
                 let logits = self.model.forward_with(&batch, &mut |blocks| {
-                    waited += tiers::serve_exports(kv, blocks, swap_blocks, asks, &written, waiting)
+                    let new = std::iter::from_fn(|| asks.try_recv().ok());
+                    waited += tiers::serve_exports(kv, blocks, swap_blocks, new, &written, waiting)
                 });
-                if waited > 0 {
-                    self.metrics
-                        .update(|m| m.tiers.export_waits += waited as u64);
-                }
+                self.count_export_waits(waited);
                 logits
             }
             None => self.model.forward(&batch),

@@ -8,8 +8,8 @@
 //! - `gemm/*`: prefill, 512 x 576 x 1536, throughput in FLOPs (`elem/s` = FLOP/s); and
 //!   `prefill_512/*`: every matmul of a 512-token prefill (no logits).
 //! - `quant_batch/*`: quantized weights (Q8_0, Q4_1) at 576 x 1536 times batches of 1 to 32
-//!   decodes, throughput in FLOPs: where the integer kernels change over (streamed, staged,
-//!   16-row tiles).
+//!   decodes, throughput in FLOPs, x quantized in every call: where the integer kernels change
+//!   over (streamed, staged, 16-row tiles).
 
 use std::time::Duration;
 
@@ -176,12 +176,19 @@ fn quant_batch(c: &mut Criterion) {
     for q in [Quant::Q8_0, Quant::Q4_1] {
         let w = cpu.weight(WeightData::quantized(&values, q), n, k);
         for m in [1, 2, 3, 4, 6, 8, 12, 16, 32] {
-            let x = input(m, k);
+            let mut x = input(m, k);
             let mut out = cpu.tensor(m, n);
             g.throughput(Throughput::Elements((2 * m * n * k) as u64));
             g.bench_function(
                 BenchmarkId::new(format!("{q:?}"), format!("{m}x576x1536")),
-                |b| b.iter(|| cpu.matmul(&x, &w, None, &mut out)),
+                |b| {
+                    b.iter(|| {
+                        // A fresh input each call, as in a forward pass: x is quantized every
+                        // time (an unchanged tensor would reuse its quantized copy).
+                        x.as_mut_slice();
+                        cpu.matmul(&x, &w, None, &mut out)
+                    })
+                },
             );
         }
     }

@@ -210,11 +210,3 @@ fn top_p_len(
     }
     cand.len()
 }
-
-/// Cleans a row in place (NaN becomes -inf, +inf becomes `f32::MAX`) and returns the argmax
-/// (lowest id on ties) and the maximum, or `None` when no logit is finite. One SIMD pass where
-/// the CPU has AVX2 or AVX-512 (a greedy batch of 32 sequences runs this on 32 rows of the
-/// vocabulary per step, on the engine thread).
-pub(super) fn sanitize(logits: &mut [f32]) -> Option<(u32, f32)> {
-    kvgate_kernels::cpu::logits::clean_argmax(logits)
-}

@@ -13,7 +13,6 @@ use kvgate_kernels::Backend;
 use kvgate_protocol::BlockHash;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -380,47 +379,44 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    /// Answers the asks that waited for a step and every new one in the queue, between two
-    /// steps.
+    /// Between two steps: answers the asks that waited for a step (those still waiting for a
+    /// later one stay), then every new one in the queue.
     pub(super) fn serve_exports(&mut self) {
-        if let Some(asks) = &self.export_asks {
-            let waited = serve_exports(
-                &self.sched.kv,
-                &self.model.blocks(),
-                self.swap_blocks,
-                asks,
-                &|_| false,
-                &mut self.waiting_exports,
-            );
-            if waited > 0 {
-                self.metrics
-                    .update(|m| m.tiers.export_waits += waited as u64);
-            }
+        let Some(asks) = &self.export_asks else {
+            return;
+        };
+        let (kv, blocks) = (&self.sched.kv, self.model.blocks());
+        let earlier = std::mem::take(&mut self.waiting_exports);
+        let waiting = &mut self.waiting_exports;
+        serve_exports(kv, &blocks, self.swap_blocks, earlier, &|_| false, waiting);
+        let new = std::iter::from_fn(|| asks.try_recv().ok());
+        let waited = serve_exports(kv, &blocks, self.swap_blocks, new, &|_| false, waiting);
+        self.count_export_waits(waited);
+    }
+
+    /// Counts new asks that waited for a step ([`serve_exports`]).
+    pub(super) fn count_export_waits(&self, asks: usize) {
+        if asks > 0 {
+            self.metrics.update(|m| m.tiers.export_waits += asks as u64);
         }
     }
 }
 
-/// Answers the asks in `waiting`, then every new one in `asks`, stopping each read at a device
-/// block for which `writing` is true (one a step in progress writes). An ask whose read stops,
-/// before its first block, at a block this engine is computing is kept in `waiting` instead, to
-/// be answered after the step; the others are answered, marked `pending` where they stop at
-/// such a block. Returns how many new asks were kept. The caller frames the blocks off this
-/// thread.
+/// Answers `jobs`, stopping each read at a device block for which `writing` is true (one a step
+/// in progress writes). An ask whose read stops, before its first block, at a block this engine
+/// is computing goes to `waiting` instead, to be answered after the step; the others are
+/// answered, marked `pending` where they stop at such a block. Returns how many went to
+/// `waiting`. The caller frames the blocks off this thread.
 pub(super) fn serve_exports<B: Backend>(
     kv: &KvCacheManager,
     blocks: &Blocks<'_, B>,
     swap_blocks: u32,
-    asks: &Receiver<ExportJob>,
+    jobs: impl IntoIterator<Item = ExportJob>,
     writing: &impl Fn(u32) -> bool,
     waiting: &mut Vec<ExportJob>,
 ) -> usize {
     let mut kept = 0;
-    let new = std::iter::from_fn(|| asks.try_recv().ok().map(|job| (true, job)));
-    for (is_new, (ask, reply)) in std::mem::take(waiting)
-        .into_iter()
-        .map(|job| (false, job))
-        .chain(new)
-    {
+    for (ask, reply) in jobs {
         // An asker that gave up (its time limit) is not waited for.
         if reply.is_closed() {
             continue;
@@ -428,7 +424,7 @@ pub(super) fn serve_exports<B: Backend>(
         let got = export(kv, blocks, swap_blocks, &ask, writing);
         if got.pending && got.frames.is_empty() {
             waiting.push((ask, reply));
-            kept += usize::from(is_new);
+            kept += 1;
         } else {
             let _ = reply.send(got);
         }

@@ -21,9 +21,10 @@ pub fn clean_argmax(logits: &mut [f32]) -> Option<(u32, f32)> {
 /// [`clean_argmax`] with the instruction set `isa` (which this CPU must support: the SIMD paths
 /// are taken only where [`Isa::available`] lists it).
 pub fn clean_argmax_with(isa: Isa, logits: &mut [f32]) -> Option<(u32, f32)> {
+    // The SIMD lanes count indices in i32.
     assert!(
-        u32::try_from(logits.len()).is_ok(),
-        "clean_argmax: a row longer than u32 ids"
+        i32::try_from(logits.len()).is_ok(),
+        "clean_argmax: a row longer than i32 indices"
     );
     #[cfg(target_arch = "x86_64")]
     {

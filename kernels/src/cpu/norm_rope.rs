@@ -36,14 +36,9 @@ fn for_rows(
         let rows = data.len() / cols;
         let pool = super::pool::pool();
         let per_task = rows.div_ceil(4 * pool.threads()).max(1);
-        let ptr = super::SharedOut(data.as_mut_ptr());
-        pool.run(rows.div_ceil(per_task), &|t| {
-            let (r0, r1) = (t * per_task, ((t + 1) * per_task).min(rows));
-            for i in r0..r1 {
-                // SAFETY: task t alone touches rows r0..r1 of `data`, which the caller borrows
-                // mutably until every task is done.
-                let row = unsafe { std::slice::from_raw_parts_mut(ptr.at(i * cols), cols) };
-                f(i, row);
+        pool.run_parts(data.chunks_mut(per_task * cols), |t, part| {
+            for (i, row) in part.chunks_exact_mut(cols).enumerate() {
+                f(t * per_task + i, row);
             }
         });
     }

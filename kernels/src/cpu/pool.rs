@@ -117,6 +117,39 @@ impl Pool {
         self.workers + 1
     }
 
+    /// Runs `f(i, part)` once for each of `parts` (the `i`-th), as [`Pool::run`] runs its tasks:
+    /// each task takes its own part, such as disjoint `&mut` slices of one buffer, so callers
+    /// split their work without raw pointers. A single part runs on this thread, with nothing
+    /// allocated.
+    pub(crate) fn run_parts<T: Send>(
+        &self,
+        parts: impl IntoIterator<Item = T>,
+        f: impl Fn(usize, T) + Sync,
+    ) {
+        let mut parts = parts.into_iter();
+        let Some(first) = parts.next() else {
+            return;
+        };
+        let Some(second) = parts.next() else {
+            return f(0, first);
+        };
+        let slots: Vec<Mutex<Option<T>>> = [first, second]
+            .into_iter()
+            .chain(parts)
+            .map(|p| Mutex::new(Some(p)))
+            .collect();
+        self.run(slots.len(), &|i| {
+            // Each slot is taken by its one task; the lock is never contended.
+            let part = slots[i]
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+            if let Some(part) = part {
+                f(i, part);
+            }
+        });
+    }
+
     /// Runs `f(0) .. f(tasks - 1)`, each once, on this thread and the workers; returns when all
     /// are done. A panic in a task is raised here once every task has finished.
     pub(crate) fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
@@ -284,6 +317,25 @@ mod tests {
                 });
             }
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 50));
+        }
+    }
+
+    #[test]
+    fn each_part_goes_to_its_own_task_once() {
+        let pool = Pool::new(3);
+        for parts in [0, 1, 2, 5, 64] {
+            let mut data = vec![0u32; parts * 4];
+            for _ in 0..10 {
+                pool.run_parts(data.chunks_mut(4), |i, chunk| {
+                    chunk.iter_mut().for_each(|v| *v += i as u32 + 1);
+                });
+            }
+            for (i, chunk) in data.chunks(4).enumerate() {
+                assert!(
+                    chunk.iter().all(|&v| v == 10 * (i as u32 + 1)),
+                    "part {i} of {parts}"
+                );
+            }
         }
     }
 

@@ -11,8 +11,8 @@
 //! The weight tile is read where it lies: a Q8_0 block's 32 values are contiguous, so 16 rows of
 //! block `b` are one strided tile load from the GGUF layout. Q4_1's nibbles are unpacked to bytes
 //! first, once per 16 rows for all x rows. The x rows are packed once per call, a group of 16
-//! per task ([`pack_group`]): the tile multiply wants its right-hand tile as 8 rows of 64 bytes, row g
-//! holding values `4g..4g + 4` of each of the 16 x rows in turn.
+//! per task ([`pack_group`]): the tile multiply wants its right-hand tile as 8 rows of 64
+//! bytes, row g holding values `4g..4g + 4` of each of the 16 x rows in turn.
 //!
 //! The arithmetic is the AVX2 kernel's: the same quantized x, exact integer block sums, f32
 //! scaling; only the order in which the f32 sums are added differs.
@@ -82,11 +82,14 @@ pub(super) fn pack_group(xq: &[BlockQ8x], nb: usize, unsigned: bool, out: &mut [
     }
 }
 
+/// [`SCRATCH`]'s buffers: scales, staged bytes, starting sums.
+pub(super) type Scratch = (Vec<f32>, Vec<u8>, Vec<i32>);
+
 thread_local! {
     /// Per thread, for the tile kernels (this one and `vnni`): the 16 weight rows' scales
-    /// `[nb][16]` (d, then m; `vnni` keeps each block's starting sum after them, as i32 bits),
-    /// and their staged bytes where a kernel stages them.
-    pub(super) static SCRATCH: RefCell<(Vec<f32>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// `[nb][16]` (d, then m), their staged bytes where a kernel stages them, and (`vnni`)
+    /// each block's starting sum.
+    pub(super) static SCRATCH: RefCell<Scratch> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// The tile configuration: tmm0/tmm1 the 16 x 16 i32 products, tmm2/tmm3 16 weight rows of 32
@@ -181,7 +184,7 @@ pub(super) unsafe fn gemm<B: QDot>(t: &Tiles<'_, B>) {
     } = *t;
     let cfg = TileConfig::new();
     SCRATCH.with(|cell| {
-        let (scales, bytes) = &mut *cell.borrow_mut();
+        let (scales, bytes, _) = &mut *cell.borrow_mut();
         scales.resize(2 * nb * ROWS, 0.0);
         // SAFETY (whole block): the shapes per the caller; the tile instructions read and write
         // only the buffers named (tile loads of 16 rows of 32 bytes at the given stride inside

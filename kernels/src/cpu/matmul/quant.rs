@@ -573,34 +573,21 @@ pub(super) fn with_quantized_x<R>(
         {
             XP.with(|cell| {
                 let mut xp = cell.borrow_mut();
-                let groups = if packed { m.div_ceil(X_GROUP) } else { 0 };
-                xp.resize(groups * nb, super::amx::PackedX::ZERO);
+                let packed_groups = if packed { m.div_ceil(X_GROUP) } else { 0 };
+                xp.resize(packed_groups * nb, super::amx::PackedX::ZERO);
                 // The VNNI kernel's x is `vpdpbusd`'s unsigned operand.
                 let unsigned = !on_amx(isa);
-                if m <= X_GROUP {
-                    quantize_rows(isa, x, &mut xq);
-                    if packed {
-                        super::amx::pack_group(&xq, nb, unsigned, &mut xp);
-                    }
-                    HELD.set(held);
-                    return f(&xq, &xp);
-                }
-                let mut xps = xp.chunks_mut(nb.max(1));
-                let parts: Vec<_> = x
+                let mut packs = xp.chunks_mut(nb.max(1));
+                let groups = x
                     .chunks(X_GROUP * k.max(1))
                     .zip(xq.chunks_mut(X_GROUP * nb.max(1)))
-                    .map(|(xs, qs)| std::sync::Mutex::new((xs, qs, xps.next())))
-                    .collect();
-                let task = |g: usize| {
-                    let mut part = parts[g].lock().unwrap_or_else(|p| p.into_inner());
-                    let (xs, qs, ps) = &mut *part;
+                    .map(|(xs, qs)| (xs, qs, packs.next()));
+                super::pool().run_parts(groups, |_, (xs, qs, pack)| {
                     quantize_rows(isa, xs, qs);
-                    if let Some(ps) = ps {
-                        super::amx::pack_group(qs, nb, unsigned, ps);
+                    if let Some(pack) = pack {
+                        super::amx::pack_group(qs, nb, unsigned, pack);
                     }
-                };
-                super::pool().run(parts.len(), &task);
-                drop(parts);
+                });
                 HELD.set(held);
                 f(&xq, &xp)
             })

@@ -34,7 +34,7 @@ use super::NextTile;
 const CHUNK: usize = 8;
 const _: () = assert!(ROWS.is_multiple_of(CHUNK));
 
-/// [`Tiles`] with AVX-512 VNNI; x packed offset by 128 (`pack_x` with `unsigned`).
+/// [`Tiles`] with AVX-512 VNNI; x packed offset by 128 (`pack_group` with `unsigned`).
 ///
 /// # Safety
 /// The CPU must have AVX-512F and VNNI, AVX2, FMA and F16C ([`crate::cpu::Isa::vnni`]); the
@@ -46,9 +46,9 @@ pub(super) unsafe fn gemm<B: QDot>(t: &Tiles<'_, B>) {
         xp, w, d, n0, n1, ..
     } = *t;
     SCRATCH.with(|cell| {
-        let (scales, bytes) = &mut *cell.borrow_mut();
-        // d, m, then each block's starting sum (i32 bits).
-        scales.resize(3 * nb * ROWS, 0.0);
+        let (scales, bytes, st) = &mut *cell.borrow_mut();
+        scales.resize(2 * nb * ROWS, 0.0);
+        st.resize(nb * ROWS, 0);
         let mut j = n0;
         // SAFETY (whole block): rows j..j + 16 of w exist (n1 <= n, a whole tile), the packed
         // groups per the caller, `scales` sized above, the rows' bytes where `amx_stage` says,
@@ -56,13 +56,11 @@ pub(super) unsafe fn gemm<B: QDot>(t: &Tiles<'_, B>) {
         unsafe {
             while j < n1 {
                 let wt = w.as_ptr().add(j * nb);
-                let (dw, rest) = scales.split_at_mut(nb * ROWS);
-                let (mw, st) = rest.split_at_mut(nb * ROWS);
+                let (dw, mw) = scales.split_at_mut(nb * ROWS);
                 B::tile_scales(wt, nb, dw.as_mut_ptr(), mw.as_mut_ptr());
                 // Row r's block b: 32 signed bytes at base + b * step + r * stride (Q8_0's
                 // where they lie, Q4_1's nibbles unpacked).
                 let (base, step, stride) = B::amx_stage(wt, nb, bytes);
-                let st = std::slice::from_raw_parts_mut(st.as_mut_ptr().cast::<i32>(), nb * ROWS);
                 starts(base, step, stride, nb, st);
                 let tile_bytes = ROWS * nb * std::mem::size_of::<B>();
                 let mut next = NextTile::new(wt, tile_bytes, j + ROWS < n1);
