@@ -64,6 +64,8 @@ pub struct ServerState {
     pub exports: Arc<tokio::sync::Semaphore>,
     /// Peer transfers this engine runs at once as the requester.
     pub fetches: tokio::sync::Semaphore,
+    /// Those transfers, for requests that want the same blocks to wait for.
+    pub fetching: peer::Fetching,
     /// Peers not to ask for a while, after they failed.
     pub peer_backoff: peer::Backoff,
     pub inflight: AtomicUsize,

@@ -124,6 +124,11 @@ pub struct PeerFetches {
     pub busy: u64,
     pub failed: u64,
     pub timed_out: u64,
+    /// Waited for a transfer of the same blocks that another request here ran, which left
+    /// nothing more to fetch (or no time).
+    pub joined: u64,
+    /// Every transfer slot was taken: computed instead.
+    pub refused: u64,
 }
 
 impl PeerFetches {
@@ -133,6 +138,8 @@ impl PeerFetches {
             "partial" => self.partial += 1,
             "busy" => self.busy += 1,
             "timed_out" => self.timed_out += 1,
+            "joined" => self.joined += 1,
+            "refused" => self.refused += 1,
             _ => self.failed += 1,
         }
     }

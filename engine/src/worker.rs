@@ -366,6 +366,12 @@ impl<B: Backend> Worker<B> {
                     self.handle(cmd);
                 }
             } else {
+                // Nothing left to compute: asks that waited for a block are answered with
+                // what is here (a prompt they waited for was cancelled, or found its blocks
+                // cached) rather than kept to their asker's time limit.
+                if !self.waiting_exports.is_empty() {
+                    self.serve_exports();
+                }
                 match rx.recv() {
                     Ok(cmd) => self.handle(cmd),
                     Err(_) => break,
@@ -783,12 +789,13 @@ impl<B: Backend> Worker<B> {
                 };
                 // Only new asks: those waiting for a block wait for the step's end (between
                 // steps), when what this step writes becomes readable.
-                let (kv, swap_blocks) = (&self.sched.kv, self.swap_blocks);
+                let (sched, swap_blocks) = (&self.sched, self.swap_blocks);
                 let waiting = &mut self.waiting_exports;
                 let mut waited = 0;
                 let logits = self.model.forward_with(&batch, &mut |blocks| {
                     let new = std::iter::from_fn(|| asks.try_recv().ok());
-                    waited += tiers::serve_exports(kv, blocks, swap_blocks, new, &written, waiting)
+                    waited +=
+                        tiers::serve_exports(sched, blocks, swap_blocks, new, &written, waiting)
                 });
                 self.count_export_waits(waited);
                 logits

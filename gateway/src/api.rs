@@ -689,7 +689,8 @@ async fn forward(
             .hashes
             .prompt_tokens
             .saturating_sub(choice.matched_blocks as usize * block) as u64;
-        let mut load = EngineLoad::enter(&engine, prefill);
+        let routed = gw.registry.route(engine.slot, &prepared.hashes.hashes);
+        let mut load = EngineLoad::enter(&engine, prefill, routed);
         // A stream's first event is due within the first-byte time. A whole answer's first
         // byte is its end: it may take the request's whole time, and is given up as a hang
         // only when the engine itself stops stepping ([`stalled`]), so a long answer is
@@ -700,12 +701,15 @@ async fn forward(
             left
         };
         // Another engine holds more of the prefix (the chosen one is less busy, or that one is
-        // draining): the chosen engine is told where to fetch it from.
+        // draining), or is computing it and will be done before the chosen one could compute
+        // it: the chosen engine is told where to fetch it from.
         let peer = gw
             .registry
             .best_peer(&prepared.hashes.hashes, engine.slot, exclude, now)
             .filter(|(_, n)| *n >= choice.matched_blocks + PEER_MIN_GAIN_BLOCKS)
-            .and_then(|(peer, _)| Some((HeaderValue::from_str(&peer.url).ok()?, peer)));
+            .map(|(peer, _)| peer)
+            .or_else(|| gw.registry.computing_peer(&req, &candidates, choice.slot))
+            .and_then(|peer| Some((HeaderValue::from_str(&peer.url).ok()?, peer)));
         let mut extra = Vec::new();
         if let Some((url, peer)) = peer {
             gw.metrics.peer_hint(&peer.name);

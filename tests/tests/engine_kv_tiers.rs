@@ -172,6 +172,17 @@ fn the_disk_tier_survives_a_restart_and_never_serves_a_corrupt_block() {
 
 /// A greedy chat as the gateway sends it (engine token, tenancy headers), with `extra` headers.
 fn gated_ask(e: &Engine, scope: &str, prompt: &str, extra: &[(&str, &str)]) -> (String, u64) {
+    gated_answer(e, scope, prompt, extra, 6)
+}
+
+/// [`gated_ask`], with an answer of up to `max_tokens`.
+fn gated_answer(
+    e: &Engine,
+    scope: &str,
+    prompt: &str,
+    extra: &[(&str, &str)],
+    max_tokens: u32,
+) -> (String, u64) {
     use kvgate_tests::gateway::ENGINE_TOKEN;
     let auth = format!("Bearer {ENGINE_TOKEN}");
     let mut headers = vec![
@@ -181,7 +192,7 @@ fn gated_ask(e: &Engine, scope: &str, prompt: &str, extra: &[(&str, &str)]) -> (
     ];
     headers.extend_from_slice(extra);
     let body = format!(
-        r#"{{"model":"{}","messages":[{{"role":"user","content":{}}}],"temperature":0,"max_tokens":6}}"#,
+        r#"{{"model":"{}","messages":[{{"role":"user","content":{}}}],"temperature":0,"max_tokens":{max_tokens}}}"#,
         kvgate_tests::MODEL,
         Value::String(prompt.into())
     );
@@ -408,6 +419,101 @@ host_cache_blocks = 128",
         early_cached, late_cached,
         "a fetch during the holder's prefill brought less than one after it"
     );
+}
+
+/// Waits until engine `e` has `n` sequence groups waiting in its queue.
+fn wait_for_queued(e: &Engine, n: usize) {
+    let started = std::time::Instant::now();
+    while e.metric("kvgate_sequences{state=\"waiting\"}") < n as f64 {
+        assert!(started.elapsed().as_secs() < 120, "nothing was queued");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// A holder that has a prompt in its queue (its batch is full) computes it later: a fetch of
+/// that prompt waits for it, rather than computing it a second time, and gets the whole prompt
+/// and the same answer.
+#[test]
+fn a_fetch_waits_for_a_prompt_in_the_holders_queue() {
+    use kvgate_tests::gateway::gated_engine;
+    let (first, queued) = (tides_prompt(6), long_prompt("glaciers"));
+    // One sequence at a time: the first request's answer keeps the holder busy while the second
+    // waits in its queue.
+    let holder = gated_engine(
+        "blocks = 128
+[scheduler]
+max_seqs = 1
+max_batched_tokens = 64",
+    );
+    let taker = gated_engine(
+        "blocks = 128
+host_cache_blocks = 128",
+    );
+    let peer = format!("http://{}", holder.addr);
+    let hint = [("x-kvgate-prefix-peer", peer.as_str())];
+    let (got, cached, want) = std::thread::scope(|scope| {
+        let busy = scope.spawn(|| gated_answer(&holder, "acme", &first, &[], 12));
+        wait_for_blocks(&holder, 2);
+        let computing = scope.spawn(|| gated_ask(&holder, "acme", &queued, &[]));
+        wait_for_queued(&holder, 1);
+        let (got, cached) = gated_ask(&taker, "acme", &queued, &hint);
+        busy.join().unwrap();
+        (got, cached, computing.join().unwrap().0)
+    });
+    assert!(
+        holder.metric("kvgate_kv_peer_export_waits_total") >= 1.0,
+        "the fetch never waited for the queued prompt"
+    );
+    assert_eq!(got, want);
+    let results: Vec<(&str, f64)> = ["complete", "partial", "timed_out", "failed", "busy"]
+        .into_iter()
+        .map(|r| {
+            (
+                r,
+                taker.metric(&format!("kvgate_kv_peer_fetches_total{{result=\"{r}\"}}")),
+            )
+        })
+        .collect();
+    assert!(
+        cached >= 176,
+        "only {cached} tokens came from the peer: {results:?}"
+    );
+    assert_eq!(results[0].1, 1.0, "{cached} {results:?}");
+}
+
+/// Requests for one prompt sent together to an engine, each told to fetch it from the same
+/// peer, share one transfer: one fetches, the others wait for it, and every one is served from
+/// the blocks it brought, with the same answer as the holder's.
+#[test]
+fn requests_that_want_the_same_blocks_share_one_transfer() {
+    use kvgate_tests::gateway::gated_engine;
+    let prompt = tides_prompt(20);
+    let holder = gated_engine("blocks = 128");
+    let (want, _) = gated_ask(&holder, "acme", &prompt, &[]);
+    let taker = gated_engine(
+        "blocks = 128
+host_cache_blocks = 128",
+    );
+    let peer = format!("http://{}", holder.addr);
+    let hint = [("x-kvgate-prefix-peer", peer.as_str())];
+    let answers: Vec<(String, u64)> = std::thread::scope(|scope| {
+        let asks: Vec<_> = (0..4)
+            .map(|_| scope.spawn(|| gated_ask(&taker, "acme", &prompt, &hint)))
+            .collect();
+        asks.into_iter().map(|a| a.join().unwrap()).collect()
+    });
+    for (got, cached) in &answers {
+        assert_eq!(got, &want);
+        assert!(*cached >= 208, "only {cached} tokens cached: {answers:?}");
+    }
+    let result = |r: &str| taker.metric(&format!("kvgate_kv_peer_fetches_total{{result=\"{r}\"}}"));
+    assert_eq!(
+        holder.metric("kvgate_kv_peer_exports_total{result=\"served\"}"),
+        1.0,
+        "the blocks were sent more than once"
+    );
+    assert_eq!(result("refused"), 0.0, "a request found no transfer slot");
+    assert_eq!(result("complete") + result("joined"), 4.0);
 }
 
 /// A requester that leaves while its ask waits for the holder to compute a block frees the

@@ -87,15 +87,20 @@ fn streamed(gw: &TestGateway, key: &str, body: &str) -> String {
     got
 }
 
-/// Waits until the gateway counts nothing in flight on `engine`.
+/// Waits until the gateway counts nothing in flight on `engine`, and no prompt block as routed
+/// to an engine (each request's blocks count as routed there until it ends).
 fn wait_idle(gw: &TestGateway, engine: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let v = engine_view(gw, engine);
-        if v["inflight"] == 0 {
+        let routed = gw.gw.registry.index.read().unwrap().routed_len();
+        if v["inflight"] == 0 && routed == 0 {
             return;
         }
-        assert!(Instant::now() < deadline, "in-flight never settled: {v}");
+        assert!(
+            Instant::now() < deadline,
+            "in-flight never settled: {v}, {routed} blocks routed"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }

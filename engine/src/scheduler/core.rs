@@ -5,6 +5,7 @@ use super::masks::MaskShares;
 use super::plan::{PreemptMode, StepPlan};
 use super::sequence::{FinishReason, GroupId, SeqGroup, SeqStatus, Sequence};
 use crate::kv::{KvCacheManager, ScopeId, SeqId};
+use kvgate_protocol::BlockHash;
 use std::collections::HashMap;
 
 /// Limits of one step and the preemption mode.
@@ -193,6 +194,20 @@ impl Scheduler {
 
     pub fn has_work(&self) -> bool {
         !self.groups.is_empty()
+    }
+
+    /// Whether this engine will compute block `hash`: a prompt block that a running prefill has
+    /// not reached yet, or one of a prompt waiting in the queue (its admission computes it,
+    /// unless the cache holds it by then). A peer asking for the block may wait for the step
+    /// that computes it.
+    pub fn will_compute(&self, hash: BlockHash) -> bool {
+        self.kv.will_compute(hash)
+            || self.groups.values().any(|g| {
+                g.status == SeqStatus::Waiting
+                    && g.hashed
+                        .as_ref()
+                        .is_some_and(|h| h.hashes().contains(&hash))
+            })
     }
 
     /// What the queue holds, for the engine's load report.

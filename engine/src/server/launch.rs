@@ -254,6 +254,7 @@ fn start_on<B: Backend + 'static>(
         peer,
         exports: Arc::new(tokio::sync::Semaphore::new(super::peer::MAX_EXPORTS)),
         fetches: tokio::sync::Semaphore::new(super::peer::MAX_FETCHES),
+        fetching: Default::default(),
         peer_backoff: Default::default(),
         inflight: AtomicUsize::new(0),
         next_id: AtomicU64::new(1),

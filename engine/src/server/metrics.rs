@@ -321,6 +321,8 @@ fn tier_metrics(o: &mut String, t: &crate::stats::TierStats) {
             ("busy", f.busy as f64),
             ("failed", f.failed as f64),
             ("timed_out", f.timed_out as f64),
+            ("joined", f.joined as f64),
+            ("refused", f.refused as f64),
         ],
     );
     scalar(

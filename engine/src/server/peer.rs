@@ -26,10 +26,15 @@
 //!   30 s.
 //! - **A holder still computing the prefix.** A read that reaches a block this engine is
 //!   computing (the step in progress writes it, or a prompt in prefill here reaches it in a
-//!   later step) waits for the step that computes it, and the transfer goes on from there. So a
-//!   request sent away from a busy engine that is computing its tenant's prompt copies the
-//!   prompt when that prefill ends instead of computing it a second time. The wait is bounded
-//!   by the fetch's time limit: past it, the requester computes what has not come.
+//!   later step, or a prompt waiting in its queue will) waits for the step that computes it,
+//!   and the transfer goes on from there. So a request sent away from a busy engine that is
+//!   computing its tenant's prompt, or is about to, copies the prompt when that prefill ends
+//!   instead of computing it a second time. The wait is bounded by the fetch's time limit: past
+//!   it, the requester computes what has not come.
+//! - **One transfer for several requests.** A request that wants the same blocks from the same
+//!   peer as a transfer already running here (a tenant's requests sent away together) waits for
+//!   that transfer, then asks for whatever is still missing, instead of asking for the blocks a
+//!   second time or, with every transfer slot taken, computing them.
 
 use super::http::{self, error_response, RespBody};
 use super::ServerState;
@@ -86,6 +91,51 @@ impl Backoff {
         if map.len() < MAX_BACKOFF_PEERS {
             map.insert(peer.to_owned(), Instant::now() + PEER_BACKOFF);
         }
+    }
+}
+
+/// The transfers this engine runs as the requester, by peer and first block asked for (at most
+/// [`MAX_FETCHES`] entries: one per transfer slot).
+#[derive(Debug, Default)]
+pub struct Fetching(Mutex<HashMap<(String, BlockHash), Done>>);
+
+/// Changes (with an error) when the transfer ends.
+type Done = tokio::sync::watch::Receiver<()>;
+
+/// A running transfer's entry in [`Fetching`]: removed when the transfer ends, however it ends,
+/// and the requests waiting for it wake (its sender is dropped).
+struct Running<'a> {
+    table: &'a Fetching,
+    key: (String, BlockHash),
+    _done: tokio::sync::watch::Sender<()>,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.table.lock().remove(&self.key);
+    }
+}
+
+impl Fetching {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, BlockHash), Done>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The transfer from `peer` that starts at block `first` when one is running (`Err`, to wait
+    /// for), else a new entry for it, registered.
+    fn join_or_start(&self, peer: &str, first: BlockHash) -> Result<Running<'_>, Done> {
+        let key = (peer.to_owned(), first);
+        let mut map = self.lock();
+        if let Some(done) = map.get(&key) {
+            return Err(done.clone());
+        }
+        let (done, rx) = tokio::sync::watch::channel(());
+        map.insert(key.clone(), rx);
+        Ok(Running {
+            table: self,
+            key,
+            _done: done,
+        })
     }
 }
 
@@ -255,23 +305,56 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
     if state.peer_backoff.blocked(peer) {
         return 0;
     }
-    let Ok(_permit) = state.fetches.try_acquire() else {
-        return 0;
-    };
-    let (scope, owned) = (scope.to_owned(), prompt.to_vec());
-    let Some((from, want)) = ask(state, |r| Command::PeerWant(scope.clone(), owned, r)).await
-    else {
-        return 0;
-    };
-    if want.is_empty() {
-        return 0;
-    }
-    let want: Vec<BlockHash> = want.into_iter().take(MAX_FETCH_BLOCKS).collect();
     let started = Instant::now();
-    let limit = (FETCH_BASE + Duration::from_secs_f64(FETCH_SECS_PER_BLOCK * want.len() as f64))
-        .min(FETCH_MAX);
+    let mut limit = None;
+    let mut joined = false;
+    // At most two rounds: wait for a transfer of the same blocks, then fetch what it left.
+    let (from, want, _permit, _running) = loop {
+        let (scope, owned) = (scope.to_owned(), prompt.to_vec());
+        let Some((from, want)) = ask(state, |r| Command::PeerWant(scope, owned, r)).await else {
+            return 0;
+        };
+        let want: Vec<BlockHash> = want.into_iter().take(MAX_FETCH_BLOCKS).collect();
+        let Some(&first) = want.first() else {
+            if joined {
+                record_fetch(state, "joined", 0, started);
+            }
+            return 0;
+        };
+        let limit = *limit.get_or_insert_with(|| {
+            (FETCH_BASE + Duration::from_secs_f64(FETCH_SECS_PER_BLOCK * want.len() as f64))
+                .min(FETCH_MAX)
+        });
+        let left = limit.saturating_sub(started.elapsed());
+        if left.is_zero() {
+            record_fetch(state, "joined", 0, started);
+            return 0;
+        }
+        let running = match state.fetching.join_or_start(peer, first) {
+            Ok(running) => running,
+            Err(mut done) if !joined => {
+                joined = true;
+                // Changes (with an error) when that transfer ends: then ask again.
+                let _ = tokio::time::timeout(left, done.changed()).await;
+                continue;
+            }
+            // The blocks a joined transfer left are being fetched by yet another request.
+            Err(_) => {
+                record_fetch(state, "joined", 0, started);
+                return 0;
+            }
+        };
+        let Ok(permit) = state.fetches.try_acquire() else {
+            record_fetch(state, "refused", 0, started);
+            return 0;
+        };
+        break (from, want, permit, running);
+    };
+    let limit = limit
+        .unwrap_or(FETCH_BASE)
+        .saturating_sub(started.elapsed());
     let ask_body = ExportBody {
-        scope: scope.clone(),
+        scope: scope.to_owned(),
         tokens: prompt.to_vec(),
         from,
         blocks: Some(want.len()),
@@ -304,13 +387,18 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
         }
         _ => {}
     }
+    record_fetch(state, result, blocks, started);
+    blocks
+}
+
+/// Counts a fetch that ended with `result`, having brought `blocks`.
+fn record_fetch(state: &ServerState, result: &str, blocks: usize, started: Instant) {
     let secs = started.elapsed().as_secs_f64();
     state.metrics.update(|m| {
         m.tiers.peer_fetches.push_result(result);
         m.tiers.peer_blocks += blocks as u64;
         m.tiers.peer_seconds += secs;
     });
-    blocks
 }
 
 /// The transfer itself: frames are checked (off the async threads) and handed to the engine

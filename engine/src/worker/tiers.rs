@@ -5,10 +5,9 @@
 
 use super::disk::{self, DiskIo, Done, Frame};
 use super::{ExportJob, Submit, Worker};
-use crate::kv::KvCacheManager;
 use crate::kv::TierOp;
 use crate::model::Blocks;
-use crate::scheduler::GroupId;
+use crate::scheduler::{GroupId, Scheduler};
 use kvgate_kernels::Backend;
 use kvgate_protocol::BlockHash;
 use std::collections::HashMap;
@@ -385,12 +384,19 @@ impl<B: Backend> Worker<B> {
         let Some(asks) = &self.export_asks else {
             return;
         };
-        let (kv, blocks) = (&self.sched.kv, self.model.blocks());
+        let (sched, blocks) = (&self.sched, self.model.blocks());
         let earlier = std::mem::take(&mut self.waiting_exports);
         let waiting = &mut self.waiting_exports;
-        serve_exports(kv, &blocks, self.swap_blocks, earlier, &|_| false, waiting);
+        serve_exports(
+            sched,
+            &blocks,
+            self.swap_blocks,
+            earlier,
+            &|_| false,
+            waiting,
+        );
         let new = std::iter::from_fn(|| asks.try_recv().ok());
-        let waited = serve_exports(kv, &blocks, self.swap_blocks, new, &|_| false, waiting);
+        let waited = serve_exports(sched, &blocks, self.swap_blocks, new, &|_| false, waiting);
         self.count_export_waits(waited);
     }
 
@@ -404,11 +410,12 @@ impl<B: Backend> Worker<B> {
 
 /// Answers `jobs`, stopping each read at a device block for which `writing` is true (one a step
 /// in progress writes). An ask whose read stops, before its first block, at a block this engine
-/// is computing goes to `waiting` instead, to be answered after the step; the others are
-/// answered, marked `pending` where they stop at such a block. Returns how many went to
-/// `waiting`. The caller frames the blocks off this thread.
+/// will compute ([`Scheduler::will_compute`]: in a prefill under way or a prompt in the queue)
+/// goes to `waiting` instead, to be answered after a step; the others are answered, marked
+/// `pending` where they stop at such a block. Returns how many went to `waiting`. The caller
+/// frames the blocks off this thread.
 pub(super) fn serve_exports<B: Backend>(
-    kv: &KvCacheManager,
+    sched: &Scheduler,
     blocks: &Blocks<'_, B>,
     swap_blocks: u32,
     jobs: impl IntoIterator<Item = ExportJob>,
@@ -421,7 +428,7 @@ pub(super) fn serve_exports<B: Backend>(
         if reply.is_closed() {
             continue;
         }
-        let got = export(kv, blocks, swap_blocks, &ask, writing);
+        let got = export(sched, blocks, swap_blocks, &ask, writing);
         if got.pending && got.frames.is_empty() {
             waiting.push((ask, reply));
             kept += 1;
@@ -436,12 +443,13 @@ pub(super) fn serve_exports<B: Backend>(
 /// far as the device pool and the host tier hold them, and whether the read stopped at a block
 /// this engine is computing.
 fn export<B: Backend>(
-    kv: &KvCacheManager,
+    sched: &Scheduler,
     blocks: &Blocks<'_, B>,
     swap_blocks: u32,
     ask: &super::ExportAsk,
     writing: &impl Fn(u32) -> bool,
 ) -> super::Exported {
+    let kv = &sched.kv;
     // A scope this engine never used holds nothing here.
     let Some(scope) = kv.known_scope(&ask.scope) else {
         return super::Exported::default();
@@ -470,7 +478,7 @@ fn export<B: Backend>(
             };
             (blocks.read(true, swap_blocks + slot), b.scope)
         } else {
-            out.pending = kv.will_compute(hash);
+            out.pending = sched.will_compute(hash);
             break;
         };
         out.frames.push(Frame {

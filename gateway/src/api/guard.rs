@@ -12,7 +12,7 @@
 
 use crate::state::{Gateway, InFlight};
 use crate::tenant::RateLimits;
-use crate::upstream::{now_ms, Engine};
+use crate::upstream::{now_ms, Engine, RoutedPrompt};
 use crate::usage::{self, Ending, Prices, UsageRecord};
 use kvgate_http::trace::{Attr, Trace};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -237,21 +237,25 @@ impl Drop for Admitting {
     }
 }
 
-/// A request's share of an engine's load, counted from routing until its answer is over.
+/// A request's share of an engine's load, counted from routing until its answer is over, and
+/// its prompt's blocks, counted as routed there for as long.
 #[derive(Debug)]
 pub struct EngineLoad {
     engine: Arc<Engine>,
     /// Prompt tokens counted in `queued_prefill` until the engine starts answering.
     prefill: u64,
+    /// The prompt's blocks, counted as routed to the engine while the request is there.
+    _routed: RoutedPrompt,
 }
 
 impl EngineLoad {
-    pub fn enter(engine: &Arc<Engine>, prefill: u64) -> EngineLoad {
+    pub fn enter(engine: &Arc<Engine>, prefill: u64, routed: RoutedPrompt) -> EngineLoad {
         engine.inflight.fetch_add(1, Ordering::SeqCst);
         engine.queued_prefill.fetch_add(prefill, Ordering::Relaxed);
         EngineLoad {
             engine: engine.clone(),
             prefill,
+            _routed: routed,
         }
     }
 

@@ -15,10 +15,18 @@ type Fast = BuildHasherDefault<PrehashedHasher>;
 /// Block hash -> engines, plus each engine's own set (for removal and re-sync). Each holder is
 /// also marked when its copy is in a slower tier (host memory or disk) rather than its device
 /// pool: such a match saves the prefill but costs a load.
+///
+/// Apart from those, the blocks of prompts this gateway has routed to an engine and that are
+/// not finished there ([`PrefixIndex::route`]): the engine is computing them or about to (its
+/// KV events, which confirm them, come a moment later), and holds them while the request runs.
 #[derive(Debug, Default)]
 pub struct PrefixIndex {
     holders: HashMap<u128, Holders, Fast>,
     per_engine: Vec<HashSet<u128, Fast>>,
+    /// Block hash -> engines it was routed to (a slot bitmask).
+    routed: HashMap<u128, u64, Fast>,
+    /// (slot, block hash) -> requests in flight there whose prompt has that block.
+    routed_count: HashMap<(usize, u128), u32>,
 }
 
 /// Engines holding one block, as slot bitmasks: all of them, and those whose best copy is in
@@ -47,7 +55,70 @@ impl PrefixIndex {
         PrefixIndex {
             holders: HashMap::default(),
             per_engine: (0..MAX_ENGINES).map(|_| HashSet::default()).collect(),
+            routed: HashMap::default(),
+            routed_count: HashMap::new(),
         }
+    }
+
+    /// A request whose prompt has these blocks was routed to engine `slot`: until
+    /// [`Self::unroute`], they count as being computed there ([`Self::longest_routed`]).
+    pub fn route(&mut self, slot: usize, hashes: &[BlockHash]) {
+        for h in hashes {
+            *self.routed_count.entry((slot, h.0)).or_default() += 1;
+            *self.routed.entry(h.0).or_default() |= 1 << slot;
+        }
+    }
+
+    /// That request ended (or failed) on engine `slot`.
+    pub fn unroute(&mut self, slot: usize, hashes: &[BlockHash]) {
+        for h in hashes {
+            let std::collections::hash_map::Entry::Occupied(mut n) =
+                self.routed_count.entry((slot, h.0))
+            else {
+                continue;
+            };
+            *n.get_mut() -= 1;
+            if *n.get() > 0 {
+                continue;
+            }
+            n.remove();
+            if let Some(mask) = self.routed.get_mut(&h.0) {
+                *mask &= !(1u64 << slot);
+                if *mask == 0 {
+                    self.routed.remove(&h.0);
+                }
+            }
+        }
+    }
+
+    /// Blocks routed to engines and not finished there.
+    pub fn routed_len(&self) -> usize {
+        self.routed_count.len()
+    }
+
+    /// For each engine in `candidates`, how many leading blocks of `hashes` it holds or is
+    /// computing for a request routed there ([`Self::route`]).
+    pub fn longest_routed(&self, hashes: &[BlockHash], candidates: u64) -> [u32; MAX_ENGINES] {
+        let mut matched = [0u32; MAX_ENGINES];
+        let mut alive = candidates;
+        for (i, h) in hashes.iter().enumerate() {
+            if alive == 0 {
+                break;
+            }
+            let held = self.holders.get(&h.0).map_or(0, |h| h.all)
+                | self.routed.get(&h.0).copied().unwrap_or(0);
+            let mut lost = alive & !held;
+            while lost != 0 {
+                matched[lost.trailing_zeros() as usize] = i as u32;
+                lost &= lost - 1;
+            }
+            alive &= held;
+        }
+        while alive != 0 {
+            matched[alive.trailing_zeros() as usize] = hashes.len() as u32;
+            alive &= alive - 1;
+        }
+        matched
     }
 
     /// Engine `slot` holds `hash` in its device pool.
@@ -88,7 +159,8 @@ impl PrefixIndex {
         }
     }
 
-    /// Forgets everything engine `slot` held (it cleared its cache, re-syncs, or left).
+    /// Forgets everything engine `slot` held (it cleared its cache, re-syncs, or left). What
+    /// was routed there stays until its requests end.
     pub fn clear(&mut self, slot: usize) {
         for h in std::mem::take(&mut self.per_engine[slot]) {
             self.unhold(slot, h);
@@ -101,7 +173,7 @@ impl PrefixIndex {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.holders.is_empty()
+        self.holders.is_empty() && self.routed.is_empty()
     }
 
     /// For each engine in `candidates` (a slot bitmask), how many leading blocks of `hashes` it
@@ -197,6 +269,41 @@ mod tests {
         idx.clear(2);
         idx.clear(3);
         assert!(idx.is_empty());
+    }
+
+    #[test]
+    fn routed_blocks_count_until_their_requests_end() {
+        let mut idx = PrefixIndex::new();
+        let req: Vec<_> = (0..6).map(h).collect();
+        for i in 0..2 {
+            idx.insert(1, h(i));
+        }
+        // Two requests with the first four blocks go to engine 0, one with all six.
+        idx.route(0, &req[..4]);
+        idx.route(0, &req[..4]);
+        idx.route(2, &req);
+        let m = idx.longest_routed(&req, 0b111);
+        assert_eq!(&m[..3], &[4, 2, 6]);
+        // The held ones alone know nothing of them.
+        assert_eq!(&idx.longest_matches(&req, 0b111)[..3], &[0, 2, 0]);
+        // Held and routed join up: engine 1 is computing blocks 2 and 3 after its own 0 and 1.
+        idx.route(1, &req[2..4]);
+        assert_eq!(idx.longest_routed(&req, 0b010)[1], 4);
+        idx.unroute(1, &req[2..4]);
+        // One of engine 0's requests ends: the other still counts.
+        idx.unroute(0, &req[..4]);
+        assert_eq!(idx.longest_routed(&req, 1)[0], 4);
+        idx.unroute(0, &req[..4]);
+        assert_eq!(idx.longest_routed(&req, 1)[0], 0);
+        // An engine's cache cleared does not end its requests; unrouting twice is harmless.
+        idx.clear(2);
+        assert_eq!(idx.longest_routed(&req, 0b100)[2], 6);
+        idx.unroute(2, &req);
+        idx.unroute(2, &req);
+        assert_eq!(idx.longest_routed(&req, 0b100)[2], 0);
+        idx.clear(1);
+        assert!(idx.is_empty());
+        assert_eq!(idx.routed_len(), 0);
     }
 
     #[test]

@@ -342,6 +342,106 @@ pub fn best_peer(
         .max_by_key(|&(s, n)| (n, s))
 }
 
+/// Among `candidates` other than `chosen` (the engine a request was routed to), the one that is
+/// computing the longest leading run of `hashes` for requests routed to it ([`PrefixIndex::route`]:
+/// its KV events have not confirmed those blocks yet, or it has not reached them), with that
+/// run's length: when the run is at least [`PEER_MIN_GAIN_BLOCKS`] longer than what `chosen`
+/// caches, and that engine's wait, before which it will not have computed them, is no longer
+/// than computing the extra blocks at `chosen` would cost (at its rate, for the request, for
+/// each one in flight there, and for the cached prefixes its new blocks evict, as
+/// [`crate::routing`]'s cost counts a prefill). `chosen` then asks that engine for the blocks,
+/// and its answer waits for the step that computes them.
+pub fn computing_peer(
+    index: &PrefixIndex,
+    hashes: &[kvgate_protocol::BlockHash],
+    candidates: &[Candidate],
+    chosen: &Candidate,
+    block_size: u32,
+) -> Option<(usize, u32)> {
+    let others = candidates
+        .iter()
+        .filter(|c| c.slot != chosen.slot)
+        .fold(0u64, |m, c| m | (1 << c.slot));
+    if others == 0 {
+        return None;
+    }
+    let runs = index.longest_routed(hashes, others);
+    let beside = chosen.inflight.max(chosen.compute_inflight) as f64;
+    candidates
+        .iter()
+        .filter(|c| c.slot != chosen.slot)
+        .filter_map(|c| {
+            let n = runs[c.slot];
+            let gain = n.checked_sub(chosen.matched_blocks)?;
+            if gain < PEER_MIN_GAIN_BLOCKS {
+                return None;
+            }
+            // The share of the recomputed blocks that evicts other prefixes there counts once
+            // more, as the router's cost counts it.
+            let evicting =
+                u64::from(gain).saturating_sub(chosen.free_blocks) as f64 / f64::from(gain);
+            let compute =
+                f64::from(gain * block_size) * chosen.secs_per_token * (1.0 + beside + evicting);
+            (c.wait_secs <= compute).then_some((c.slot, n, c.wait_secs))
+        })
+        .max_by(|a, b| a.1.cmp(&b.1).then(b.2.total_cmp(&a.2)))
+        .map(|(slot, n, _)| (slot, n))
+}
+
+impl Registry {
+    /// The engine [`computing_peer`] names for `req`, routed to `chosen` among `candidates`.
+    pub fn computing_peer(
+        &self,
+        req: &RouteRequest<'_>,
+        candidates: &[Candidate],
+        chosen: usize,
+    ) -> Option<Arc<Engine>> {
+        let chosen = candidates.iter().find(|c| c.slot == chosen)?;
+        let index = self.index.read().unwrap_or_else(|p| p.into_inner());
+        let (slot, _) = computing_peer(&index, req.hashes, candidates, chosen, req.block_size)?;
+        drop(index);
+        self.all().into_iter().find(|e| e.slot == slot)
+    }
+}
+
+/// A request's prompt blocks, counted as routed to its engine ([`PrefixIndex::route`]) until
+/// this is dropped: when the request ends, however it ends.
+#[derive(Debug)]
+pub struct RoutedPrompt {
+    registry: Arc<Registry>,
+    slot: usize,
+    hashes: Vec<kvgate_protocol::BlockHash>,
+}
+
+impl Registry {
+    /// Counts `hashes` as routed to engine `slot` while the returned guard lives.
+    pub fn route(
+        self: &Arc<Self>,
+        slot: usize,
+        hashes: &[kvgate_protocol::BlockHash],
+    ) -> RoutedPrompt {
+        self.index
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .route(slot, hashes);
+        RoutedPrompt {
+            registry: self.clone(),
+            slot,
+            hashes: hashes.to_vec(),
+        }
+    }
+}
+
+impl Drop for RoutedPrompt {
+    fn drop(&mut self) {
+        self.registry
+            .index
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .unroute(self.slot, &self.hashes);
+    }
+}
+
 /// What routing reads of one engine: its state at the gateway and its last load report. The
 /// gateway takes one of each engine per decision ([`Engine::view`]); the routing simulator makes
 /// them from its simulated engines, so both route through [`candidates`].
@@ -600,6 +700,60 @@ mod tests {
             }
         }
         (registry, engines, hashes)
+    }
+
+    #[test]
+    fn an_engine_computing_the_prefix_is_named_when_its_wait_is_shorter_than_a_recompute() {
+        let (registry, engines, hashes) = fleet(3, &[]);
+        let registry = Arc::new(registry);
+        let req = RouteRequest::new(&hashes, 270, "t", &config());
+        let mut c = registry.candidates(&req, 0, now_ms()).0;
+        let name = |c: &[Candidate], chosen: usize| {
+            registry
+                .computing_peer(&req, c, engines[chosen].slot)
+                .map(|e| e.name.clone())
+        };
+        // Nothing routed anywhere: no one to ask.
+        assert_eq!(name(&c, 0), None);
+        // A request with the whole prompt is in flight on engine 1, which has 0.1 s of queue:
+        // computing the 16 blocks at engine 0 takes 0.256 s.
+        let routed = registry.route(engines[1].slot, &hashes);
+        c[1].wait_secs = 0.1;
+        assert_eq!(name(&c, 0).as_deref(), Some("e1"));
+        // Its events confirmed nothing yet: the held index knows nothing of it.
+        assert!(registry
+            .best_peer(&hashes, engines[0].slot, 0, now_ms())
+            .is_none());
+        // Behind 0.3 s of queue it is not worth waiting for, unless engine 0 has two requests in
+        // flight that the recompute would hold up (0.768 s), or its new blocks would evict
+        // cached prefixes (0.512 s with no free block, 0.384 s with half of them free).
+        c[1].wait_secs = 0.3;
+        c[0].free_blocks = 16;
+        assert_eq!(name(&c, 0), None);
+        c[0].free_blocks = 8;
+        assert_eq!(name(&c, 0).as_deref(), Some("e1"));
+        c[1].wait_secs = 0.4;
+        assert_eq!(name(&c, 0), None);
+        c[0].free_blocks = 0;
+        assert_eq!(name(&c, 0).as_deref(), Some("e1"));
+        c[0].free_blocks = 16;
+        c[1].wait_secs = 0.3;
+        c[0].inflight = 2;
+        assert_eq!(name(&c, 0).as_deref(), Some("e1"));
+        // Of two engines computing it, the one with the longer run; on a tie, the shorter wait.
+        let part = registry.route(engines[2].slot, &hashes[..8]);
+        c[2].wait_secs = 0.0;
+        assert_eq!(name(&c, 0).as_deref(), Some("e1"));
+        let whole = registry.route(engines[2].slot, &hashes);
+        assert_eq!(name(&c, 0).as_deref(), Some("e2"));
+        // A gain under PEER_MIN_GAIN_BLOCKS over what the chosen engine caches names no one.
+        c[0].matched_blocks = 13;
+        assert_eq!(name(&c, 0), None);
+        c[0].matched_blocks = 0;
+        // Once its requests end, an engine is computing nothing.
+        drop((routed, part, whole));
+        assert_eq!(name(&c, 0), None);
+        assert_eq!(registry.index.read().unwrap().routed_len(), 0);
     }
 
     #[test]
