@@ -353,12 +353,17 @@ impl<B: Backend> Worker<B> {
                         Err(TryRecvError::Disconnected) => break,
                     }
                 }
-                self.step();
-                // The step computed blocks that waiting asks may want.
+                // The last step computed blocks that waiting asks may want, and the commands
+                // just taken may have queued the prompts that others wait for.
                 if !self.waiting_exports.is_empty() {
                     self.serve_exports();
                 }
+                self.step();
             } else if self.has_loads() {
+                // Nothing here will compute what the waiting asks want.
+                if !self.waiting_exports.is_empty() {
+                    self.serve_exports();
+                }
                 // Nothing to compute until a read lands (or the disk takes more of a drain's
                 // writes): wait on the disk, a little at a time.
                 self.poll_disk(LOAD_POLL);
@@ -788,14 +793,22 @@ impl<B: Backend> Worker<B> {
                     ids.binary_search(&id).is_ok()
                 };
                 // Only new asks: those waiting for a block wait for the step's end (between
-                // steps), when what this step writes becomes readable.
+                // steps), when what this step writes becomes readable. So do those that find
+                // nothing: the prompt they are after may be in the commands taken between steps.
                 let (sched, swap_blocks) = (&self.sched, self.swap_blocks);
                 let waiting = &mut self.waiting_exports;
                 let mut waited = 0;
                 let logits = self.model.forward_with(&batch, &mut |blocks| {
                     let new = std::iter::from_fn(|| asks.try_recv().ok());
-                    waited +=
-                        tiers::serve_exports(sched, blocks, swap_blocks, new, &written, waiting)
+                    waited += tiers::serve_exports(
+                        sched,
+                        blocks,
+                        swap_blocks,
+                        new,
+                        &written,
+                        true,
+                        waiting,
+                    )
                 });
                 self.count_export_waits(waited);
                 logits

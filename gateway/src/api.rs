@@ -678,9 +678,6 @@ async fn forward(
             );
         }
         gw.metrics.route_decision(choice.reason.as_str());
-        if choice.reason == crate::routing::Reason::LeastLoaded {
-            tracing::debug!(engine = %engine.name, ?candidates, "routed by load");
-        }
         gw.metrics
             .routed_prefix_blocks
             .observe(f64::from(choice.matched_blocks));
@@ -689,17 +686,6 @@ async fn forward(
             .hashes
             .prompt_tokens
             .saturating_sub(choice.matched_blocks as usize * block) as u64;
-        let routed = gw.registry.route(engine.slot, &prepared.hashes.hashes);
-        let mut load = EngineLoad::enter(&engine, prefill, routed);
-        // A stream's first event is due within the first-byte time. A whole answer's first
-        // byte is its end: it may take the request's whole time, and is given up as a hang
-        // only when the engine itself stops stepping ([`stalled`]), so a long answer is
-        // neither counted against the engine nor retried elsewhere.
-        let budget = if prepared.stream {
-            per_attempt.min(left)
-        } else {
-            left
-        };
         // Another engine holds more of the prefix (the chosen one is less busy, or that one is
         // draining), or is computing it and will be done before the chosen one could compute
         // it: the chosen engine is told where to fetch it from.
@@ -710,6 +696,25 @@ async fn forward(
             .map(|(peer, _)| peer)
             .or_else(|| gw.registry.computing_peer(&req, &candidates, choice.slot))
             .and_then(|peer| Some((HeaderValue::from_str(&peer.url).ok()?, peer)));
+        // The prompt counts as being computed there until the request ends, unless the engine
+        // is to fetch it (until its fetch ends, it computes none of it).
+        let routed = peer
+            .is_none()
+            .then(|| gw.registry.route(engine.slot, &prepared.hashes.hashes));
+        let mut load = EngineLoad::enter(&engine, prefill, routed);
+        // A stream's first event is due within the first-byte time. A whole answer's first
+        // byte is its end: it may take the request's whole time, and is given up as a hang
+        // only when the engine itself stops stepping ([`stalled`]), so a long answer is
+        // neither counted against the engine nor retried elsewhere.
+        let budget = if prepared.stream {
+            per_attempt.min(left)
+        } else {
+            left
+        };
+        if choice.reason == crate::routing::Reason::LeastLoaded {
+            let peer = peer.as_ref().map(|(_, p)| p.name.as_str());
+            tracing::debug!(engine = %engine.name, ?peer, ?candidates, "routed by load");
+        }
         let mut extra = Vec::new();
         if let Some((url, peer)) = peer {
             gw.metrics.peer_hint(&peer.name);

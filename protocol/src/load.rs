@@ -73,6 +73,14 @@ pub const PRIOR_DISK_LOAD_SECS_PER_BLOCK: f64 = 0.002;
 /// Seconds to fetch one block from a peer engine (framed, MACed, over the network) and stage it.
 pub const PRIOR_PEER_LOAD_SECS_PER_BLOCK: f64 = 0.002;
 
+/// How long an engine waits for a peer fetch of `blocks` blocks before it computes what has not
+/// come: a second, plus about a block's prefill on a slow CPU per block (a peer still computing
+/// the prompt sends each block when a step has computed it, and one step of a CPU's prefill may
+/// take a second), at most ten seconds.
+pub fn peer_fetch_limit_secs(blocks: usize) -> f64 {
+    (1.0 + 0.025 * blocks as f64).min(10.0)
+}
+
 /// A number of seconds from a report, made safe to compute with: finite, in `[0, max]`.
 fn sane(secs: f64, max: f64) -> f64 {
     if secs.is_finite() {

@@ -1399,12 +1399,15 @@ const WORDS: [&str; 24] = [
 /// system prompt of about `system_tokens` tokens plus one of 64 ~50-token user messages, a
 /// [`Registry`] of `engines` engines with load reports (engine `s` with `s` requests in flight
 /// and `100 s` prefill tokens waiting) and `blocks_per_engine` blocks each in the prefix index
-/// (the system prompt on engine 3), its candidates, and [`Router::choose`] with the `prefix`
-/// policy. [`time_decisions`] and the criterion bench `decision` both measure it.
+/// (the system prompt on engine 3), its candidates, [`Router::choose`] with the `prefix`
+/// policy, and what the gateway does next for the request: the peer to name (a holder, else an
+/// engine computing the prefix) and the prompt's blocks counted as routed to the chosen engine
+/// (and, when the request ends, no longer). [`time_decisions`] and the criterion bench
+/// `decision` both measure it.
 #[derive(Debug)]
 pub struct DecisionPath {
     hasher: PromptHasher,
-    registry: Registry,
+    registry: Arc<Registry>,
     router: Router,
     messages: Vec<Vec<ChatMessage>>,
     system_tokens: usize,
@@ -1506,7 +1509,7 @@ impl DecisionPath {
         Ok(DecisionPath {
             system_tokens: renderer.encode(&system)?.len(),
             hasher,
-            registry,
+            registry: Arc::new(registry),
             router,
             messages,
         })
@@ -1527,10 +1530,20 @@ impl DecisionPath {
             &self.router.config(),
         );
         let (candidates, _) = self.registry.candidates(&req, 0, 0);
-        std::hint::black_box(
-            self.router
-                .choose(ph.affinity, ph.prompt_tokens, 256, &candidates),
-        );
+        if let Some(choice) = self
+            .router
+            .choose(ph.affinity, ph.prompt_tokens, 256, &candidates)
+        {
+            let peer = self
+                .registry
+                .best_peer(&ph.hashes, choice.slot, 0, 0)
+                .map(|(e, _)| e)
+                .or_else(|| self.registry.computing_peer(&req, &candidates, choice.slot));
+            std::hint::black_box(peer);
+            drop(std::hint::black_box(
+                self.registry.route(choice.slot, &ph.hashes),
+            ));
+        }
         Ok((ph.prompt_tokens, hashed))
     }
 

@@ -452,7 +452,7 @@ host_cache_blocks = 128",
     let peer = format!("http://{}", holder.addr);
     let hint = [("x-kvgate-prefix-peer", peer.as_str())];
     let (got, cached, want) = std::thread::scope(|scope| {
-        let busy = scope.spawn(|| gated_answer(&holder, "acme", &first, &[], 12));
+        let busy = scope.spawn(|| gated_answer(&holder, "acme", &first, &[], 8));
         wait_for_blocks(&holder, 2);
         let computing = scope.spawn(|| gated_ask(&holder, "acme", &queued, &[]));
         wait_for_queued(&holder, 1);
@@ -482,25 +482,33 @@ host_cache_blocks = 128",
 }
 
 /// Requests for one prompt sent together to an engine, each told to fetch it from the same
-/// peer, share one transfer: one fetches, the others wait for it, and every one is served from
-/// the blocks it brought, with the same answer as the holder's.
+/// peer while that peer computes it, share one transfer: one fetches, the others wait for it,
+/// and every one is served from the blocks it brought, with the same answer as the holder's.
 #[test]
 fn requests_that_want_the_same_blocks_share_one_transfer() {
     use kvgate_tests::gateway::gated_engine;
-    let prompt = tides_prompt(20);
-    let holder = gated_engine("blocks = 128");
-    let (want, _) = gated_ask(&holder, "acme", &prompt, &[]);
+    let prompt = tides_prompt(14);
+    // Two blocks a step: the holder computes the prompt over many steps, so the first transfer
+    // is still running when the other requests ask.
+    let holder = gated_engine(
+        "blocks = 128
+[scheduler]
+max_batched_tokens = 32",
+    );
     let taker = gated_engine(
         "blocks = 128
 host_cache_blocks = 128",
     );
     let peer = format!("http://{}", holder.addr);
     let hint = [("x-kvgate-prefix-peer", peer.as_str())];
-    let answers: Vec<(String, u64)> = std::thread::scope(|scope| {
+    let (answers, want) = std::thread::scope(|scope| {
+        let computing = scope.spawn(|| gated_ask(&holder, "acme", &prompt, &[]));
+        wait_for_blocks(&holder, 2);
         let asks: Vec<_> = (0..4)
             .map(|_| scope.spawn(|| gated_ask(&taker, "acme", &prompt, &hint)))
             .collect();
-        asks.into_iter().map(|a| a.join().unwrap()).collect()
+        let answers: Vec<(String, u64)> = asks.into_iter().map(|a| a.join().unwrap()).collect();
+        (answers, computing.join().unwrap().0)
     });
     for (got, cached) in &answers {
         assert_eq!(got, &want);

@@ -47,6 +47,7 @@ use hyper::{Request, Response, StatusCode};
 use kvgate_protocol::openai::ApiError;
 use kvgate_protocol::BlockHash;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
@@ -63,12 +64,6 @@ pub const MAX_FETCHES: usize = 2;
 const EXPORT_CHUNK_BYTES: usize = 32 << 20;
 /// How long a transfer may take to be served, whatever its reader does.
 const EXPORT_DEADLINE: Duration = Duration::from_secs(30);
-/// A fetch's time limit: this, plus [`FETCH_SECS_PER_BLOCK`] per block asked for (about a
-/// block's prefill on a slow CPU: a peer still computing the prompt sends each block when a step
-/// has computed it, and one step of a CPU's prefill may take a second), at most [`FETCH_MAX`].
-const FETCH_BASE: Duration = Duration::from_secs(1);
-const FETCH_SECS_PER_BLOCK: f64 = 0.025;
-const FETCH_MAX: Duration = Duration::from_secs(10);
 /// A peer that failed, timed out or was busy is not asked again for this long.
 const PEER_BACKOFF: Duration = Duration::from_secs(10);
 /// Peers remembered in the back-off table (the gateway names engines it knows).
@@ -94,8 +89,8 @@ impl Backoff {
     }
 }
 
-/// The transfers this engine runs as the requester, by peer and first block asked for (at most
-/// [`MAX_FETCHES`] entries: one per transfer slot).
+/// The transfers this engine runs as the requester, by peer and first block asked for: one entry
+/// a transfer, from just before it takes a transfer slot until it ends.
 #[derive(Debug, Default)]
 pub struct Fetching(Mutex<HashMap<(String, BlockHash), Done>>);
 
@@ -302,14 +297,15 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
         tracing::warn!(peer, "peer transfer speaks http only");
         return 0;
     }
-    if state.peer_backoff.blocked(peer) {
-        return 0;
-    }
     let started = Instant::now();
     let mut limit = None;
     let mut joined = false;
     // At most two rounds: wait for a transfer of the same blocks, then fetch what it left.
     let (from, want, _permit, _running) = loop {
+        // Checked each round: the transfer waited for may have found the peer down.
+        if state.peer_backoff.blocked(peer) {
+            return 0;
+        }
         let (scope, owned) = (scope.to_owned(), prompt.to_vec());
         let Some((from, want)) = ask(state, |r| Command::PeerWant(scope, owned, r)).await else {
             return 0;
@@ -322,12 +318,13 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
             return 0;
         };
         let limit = *limit.get_or_insert_with(|| {
-            (FETCH_BASE + Duration::from_secs_f64(FETCH_SECS_PER_BLOCK * want.len() as f64))
-                .min(FETCH_MAX)
+            Duration::from_secs_f64(kvgate_protocol::load::peer_fetch_limit_secs(want.len()))
         });
         let left = limit.saturating_sub(started.elapsed());
         if left.is_zero() {
-            record_fetch(state, "joined", 0, started);
+            if joined {
+                record_fetch(state, "joined", 0, started);
+            }
             return 0;
         }
         let running = match state.fetching.join_or_start(peer, first) {
@@ -350,22 +347,20 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
         };
         break (from, want, permit, running);
     };
-    let limit = limit
-        .unwrap_or(FETCH_BASE)
-        .saturating_sub(started.elapsed());
+    let limit = limit.unwrap_or_default().saturating_sub(started.elapsed());
     let ask_body = ExportBody {
         scope: scope.to_owned(),
         tokens: prompt.to_vec(),
         from,
         blocks: Some(want.len()),
     };
-    let got = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let got = Arc::new(Progress::default());
     let ended = tokio::time::timeout(
         limit,
         transfer(state, uri, &token, &ask_body, &want, &codec, got.clone()),
     )
     .await;
-    let blocks = got.load(std::sync::atomic::Ordering::SeqCst);
+    let blocks = got.blocks.load(Ordering::SeqCst);
     let ended = match ended {
         Ok(e) => e,
         Err(_) => Ended::Failed("timed out".into()),
@@ -379,8 +374,9 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
     };
     match &ended {
         Ended::Busy => state.peer_backoff.hold_off(peer),
-        // Cut short while the peer was still sending (or computing what it sends): it works.
-        Ended::Failed(why) if why == "timed out" && blocks > 0 => {}
+        // Cut short while the peer was sending, or computing what it sends (it answered, and
+        // holds the blocks it will compute back until a step has computed them): it works.
+        Ended::Failed(why) if why == "timed out" && got.answered.load(Ordering::SeqCst) => {}
         Ended::Failed(why) => {
             tracing::warn!(peer, %why, "a peer transfer failed; the rest is computed");
             state.peer_backoff.hold_off(peer);
@@ -401,6 +397,15 @@ fn record_fetch(state: &ServerState, result: &str, blocks: usize, started: Insta
     });
 }
 
+/// How far a transfer got, readable after its time limit cut it short.
+#[derive(Debug, Default)]
+struct Progress {
+    /// The peer answered 200: it serves the transfer.
+    answered: AtomicBool,
+    /// Blocks checked and handed to the engine thread.
+    blocks: AtomicUsize,
+}
+
 /// The transfer itself: frames are checked (off the async threads) and handed to the engine
 /// thread as they arrive; `got` counts them, so a transfer cut short by the time limit still
 /// reports what it brought.
@@ -411,7 +416,7 @@ async fn transfer(
     ask_body: &ExportBody,
     want: &[BlockHash],
     codec: &PeerCodec,
-    got: Arc<std::sync::atomic::AtomicUsize>,
+    got: Arc<Progress>,
 ) -> Ended {
     let body = match serde_json::to_string(ask_body) {
         Ok(b) => b,
@@ -430,7 +435,7 @@ async fn transfer(
         Err(e) => return Ended::Failed(e.to_string()),
     };
     match resp.status() {
-        StatusCode::OK => {}
+        StatusCode::OK => got.answered.store(true, Ordering::SeqCst),
         StatusCode::SERVICE_UNAVAILABLE => return Ended::Busy,
         s => return Ended::Failed(format!("HTTP {s}")),
     }
@@ -472,7 +477,7 @@ async fn transfer(
                 return Ended::Failed("the engine stopped".into());
             }
             done += 1;
-            got.store(done, std::sync::atomic::Ordering::SeqCst);
+            got.blocks.store(done, Ordering::SeqCst);
         }
         if done < want.len() && buf.len() > frame_len {
             return Ended::Failed("a frame longer than a block".into());

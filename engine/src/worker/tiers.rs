@@ -387,16 +387,26 @@ impl<B: Backend> Worker<B> {
         let (sched, blocks) = (&self.sched, self.model.blocks());
         let earlier = std::mem::take(&mut self.waiting_exports);
         let waiting = &mut self.waiting_exports;
+        let never = |_| false;
         serve_exports(
             sched,
             &blocks,
             self.swap_blocks,
             earlier,
-            &|_| false,
+            &never,
+            false,
             waiting,
         );
         let new = std::iter::from_fn(|| asks.try_recv().ok());
-        let waited = serve_exports(sched, &blocks, self.swap_blocks, new, &|_| false, waiting);
+        let waited = serve_exports(
+            sched,
+            &blocks,
+            self.swap_blocks,
+            new,
+            &never,
+            false,
+            waiting,
+        );
         self.count_export_waits(waited);
     }
 
@@ -411,15 +421,19 @@ impl<B: Backend> Worker<B> {
 /// Answers `jobs`, stopping each read at a device block for which `writing` is true (one a step
 /// in progress writes). An ask whose read stops, before its first block, at a block this engine
 /// will compute ([`Scheduler::will_compute`]: in a prefill under way or a prompt in the queue)
-/// goes to `waiting` instead, to be answered after a step; the others are answered, marked
-/// `pending` where they stop at such a block. Returns how many went to `waiting`. The caller
-/// frames the blocks off this thread.
+/// goes to `waiting` instead, to be answered after a step; so does one that finds nothing at
+/// all, when `defer_empty` (asked between the layers of a step: the request it is after may be
+/// in the commands the engine thread takes between steps). The others are answered, marked
+/// `pending` where they stop at a block this engine will compute. Returns how many went to
+/// `waiting` for a block this engine will compute. The caller frames the blocks off this
+/// thread.
 pub(super) fn serve_exports<B: Backend>(
     sched: &Scheduler,
     blocks: &Blocks<'_, B>,
     swap_blocks: u32,
     jobs: impl IntoIterator<Item = ExportJob>,
     writing: &impl Fn(u32) -> bool,
+    defer_empty: bool,
     waiting: &mut Vec<ExportJob>,
 ) -> usize {
     let mut kept = 0;
@@ -429,9 +443,9 @@ pub(super) fn serve_exports<B: Backend>(
             continue;
         }
         let got = export(sched, blocks, swap_blocks, &ask, writing);
-        if got.pending && got.frames.is_empty() {
+        if got.frames.is_empty() && (got.pending || defer_empty) {
             waiting.push((ask, reply));
-            kept += 1;
+            kept += usize::from(got.pending);
         } else {
             let _ = reply.send(got);
         }

@@ -244,12 +244,13 @@ pub struct EngineLoad {
     engine: Arc<Engine>,
     /// Prompt tokens counted in `queued_prefill` until the engine starts answering.
     prefill: u64,
-    /// The prompt's blocks, counted as routed to the engine while the request is there.
-    _routed: RoutedPrompt,
+    /// The prompt's blocks, counted as routed to the engine while the request is there (not
+    /// for a request told to fetch them from a peer: until its fetch ends it computes none).
+    _routed: Option<RoutedPrompt>,
 }
 
 impl EngineLoad {
-    pub fn enter(engine: &Arc<Engine>, prefill: u64, routed: RoutedPrompt) -> EngineLoad {
+    pub fn enter(engine: &Arc<Engine>, prefill: u64, routed: Option<RoutedPrompt>) -> EngineLoad {
         engine.inflight.fetch_add(1, Ordering::SeqCst);
         engine.queued_prefill.fetch_add(prefill, Ordering::Relaxed);
         EngineLoad {

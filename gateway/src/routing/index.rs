@@ -25,8 +25,17 @@ pub struct PrefixIndex {
     per_engine: Vec<HashSet<u128, Fast>>,
     /// Block hash -> engines it was routed to (a slot bitmask).
     routed: HashMap<u128, u64, Fast>,
-    /// (slot, block hash) -> requests in flight there whose prompt has that block.
-    routed_count: HashMap<(usize, u128), u32>,
+    /// [`routed_key`] of (slot, block hash) -> requests in flight there whose prompt has that
+    /// block.
+    routed_count: HashMap<u128, u32, Fast>,
+}
+
+/// One key for an engine slot and a block hash: the hash, with a constant of the slot mixed in.
+/// Block hashes are uniform (BLAKE3, keyed by the deployment's seed), so two pairs collide with
+/// probability 2^-128, and the key stays uniform for the prehashed table.
+fn routed_key(slot: usize, hash: u128) -> u128 {
+    const MIX: u128 = 0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835;
+    hash ^ MIX.wrapping_mul(slot as u128 + 1)
 }
 
 /// Engines holding one block, as slot bitmasks: all of them, and those whose best copy is in
@@ -56,7 +65,7 @@ impl PrefixIndex {
             holders: HashMap::default(),
             per_engine: (0..MAX_ENGINES).map(|_| HashSet::default()).collect(),
             routed: HashMap::default(),
-            routed_count: HashMap::new(),
+            routed_count: HashMap::default(),
         }
     }
 
@@ -64,7 +73,7 @@ impl PrefixIndex {
     /// [`Self::unroute`], they count as being computed there ([`Self::longest_routed`]).
     pub fn route(&mut self, slot: usize, hashes: &[BlockHash]) {
         for h in hashes {
-            *self.routed_count.entry((slot, h.0)).or_default() += 1;
+            *self.routed_count.entry(routed_key(slot, h.0)).or_default() += 1;
             *self.routed.entry(h.0).or_default() |= 1 << slot;
         }
     }
@@ -73,7 +82,7 @@ impl PrefixIndex {
     pub fn unroute(&mut self, slot: usize, hashes: &[BlockHash]) {
         for h in hashes {
             let std::collections::hash_map::Entry::Occupied(mut n) =
-                self.routed_count.entry((slot, h.0))
+                self.routed_count.entry(routed_key(slot, h.0))
             else {
                 continue;
             };
@@ -96,8 +105,9 @@ impl PrefixIndex {
         self.routed_count.len()
     }
 
-    /// For each engine in `candidates`, how many leading blocks of `hashes` it holds or is
-    /// computing for a request routed there ([`Self::route`]).
+    /// For each engine in `candidates`, how many leading blocks of `hashes` it holds in its
+    /// device pool or host tier (what it can send a peer), or is computing for a request routed
+    /// there ([`Self::route`]).
     pub fn longest_routed(&self, hashes: &[BlockHash], candidates: u64) -> [u32; MAX_ENGINES] {
         let mut matched = [0u32; MAX_ENGINES];
         let mut alive = candidates;
@@ -105,7 +115,7 @@ impl PrefixIndex {
             if alive == 0 {
                 break;
             }
-            let held = self.holders.get(&h.0).map_or(0, |h| h.all)
+            let held = self.holders.get(&h.0).map_or(0, |h| h.all & !h.disk)
                 | self.routed.get(&h.0).copied().unwrap_or(0);
             let mut lost = alive & !held;
             while lost != 0 {
@@ -290,6 +300,12 @@ mod tests {
         idx.route(1, &req[2..4]);
         assert_eq!(idx.longest_routed(&req, 0b010)[1], 4);
         idx.unroute(1, &req[2..4]);
+        // A block on disk alone is not one to send: a peer's transfer reads the device pool
+        // and the host tier.
+        idx.insert_at(1, h(1), Tier::Disk);
+        assert_eq!(idx.longest_routed(&req, 0b010)[1], 1);
+        idx.insert_at(1, h(1), Tier::Host);
+        assert_eq!(idx.longest_routed(&req, 0b010)[1], 2);
         // One of engine 0's requests ends: the other still counts.
         idx.unroute(0, &req[..4]);
         assert_eq!(idx.longest_routed(&req, 1)[0], 4);

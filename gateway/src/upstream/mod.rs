@@ -342,15 +342,20 @@ pub fn best_peer(
         .max_by_key(|&(s, n)| (n, s))
 }
 
-/// Among `candidates` other than `chosen` (the engine a request was routed to), the one that is
-/// computing the longest leading run of `hashes` for requests routed to it ([`PrefixIndex::route`]:
-/// its KV events have not confirmed those blocks yet, or it has not reached them), with that
-/// run's length: when the run is at least [`PEER_MIN_GAIN_BLOCKS`] longer than what `chosen`
-/// caches, and that engine's wait, before which it will not have computed them, is no longer
-/// than computing the extra blocks at `chosen` would cost (at its rate, for the request, for
-/// each one in flight there, and for the cached prefixes its new blocks evict, as
-/// [`crate::routing`]'s cost counts a prefill). `chosen` then asks that engine for the blocks,
-/// and its answer waits for the step that computes them.
+/// Among `candidates` other than `chosen` (the engine a request is routed to, before that request
+/// counts as routed there), the one that is computing the longest leading run of `hashes` for
+/// requests routed to it ([`PrefixIndex::route`]: its KV events have not confirmed those blocks
+/// yet, or it has not reached them), with that run's length. Only when:
+/// - the run is at least [`PEER_MIN_GAIN_BLOCKS`] longer than what `chosen` caches or is
+///   computing itself;
+/// - that engine's wait, before which it will not have computed them, is no longer than
+///   computing the extra blocks at `chosen` would cost (at its rate, for the request, for each
+///   one in flight there, and for the cached prefixes its new blocks evict, as
+///   [`crate::routing`]'s cost counts a prefill), nor than the time `chosen` waits for a fetch
+///   ([`kvgate_protocol::load::peer_fetch_limit_secs`]).
+///
+/// `chosen` then asks that engine for the blocks, and its answer waits for the step that
+/// computes them.
 pub fn computing_peer(
     index: &PrefixIndex,
     hashes: &[kvgate_protocol::BlockHash],
@@ -358,31 +363,30 @@ pub fn computing_peer(
     chosen: &Candidate,
     block_size: u32,
 ) -> Option<(usize, u32)> {
-    let others = candidates
-        .iter()
-        .filter(|c| c.slot != chosen.slot)
-        .fold(0u64, |m, c| m | (1 << c.slot));
-    if others == 0 {
+    let all = candidates.iter().fold(0u64, |m, c| m | (1 << c.slot));
+    if all == 1 << chosen.slot {
         return None;
     }
-    let runs = index.longest_routed(hashes, others);
+    let runs = index.longest_routed(hashes, all);
+    let own = chosen.matched_blocks.max(runs[chosen.slot]);
     let beside = chosen.inflight.max(chosen.compute_inflight) as f64;
     candidates
         .iter()
         .filter(|c| c.slot != chosen.slot)
         .filter_map(|c| {
             let n = runs[c.slot];
-            let gain = n.checked_sub(chosen.matched_blocks)?;
+            let gain = n.checked_sub(own)?;
             if gain < PEER_MIN_GAIN_BLOCKS {
                 return None;
             }
+            let limit = kvgate_protocol::load::peer_fetch_limit_secs(gain as usize);
             // The share of the recomputed blocks that evicts other prefixes there counts once
             // more, as the router's cost counts it.
             let evicting =
                 u64::from(gain).saturating_sub(chosen.free_blocks) as f64 / f64::from(gain);
             let compute =
                 f64::from(gain * block_size) * chosen.secs_per_token * (1.0 + beside + evicting);
-            (c.wait_secs <= compute).then_some((c.slot, n, c.wait_secs))
+            (c.wait_secs <= compute.min(limit)).then_some((c.slot, n, c.wait_secs))
         })
         .max_by(|a, b| a.1.cmp(&b.1).then(b.2.total_cmp(&a.2)))
         .map(|(slot, n, _)| (slot, n))
@@ -746,10 +750,22 @@ mod tests {
         assert_eq!(name(&c, 0).as_deref(), Some("e1"));
         let whole = registry.route(engines[2].slot, &hashes);
         assert_eq!(name(&c, 0).as_deref(), Some("e2"));
-        // A gain under PEER_MIN_GAIN_BLOCKS over what the chosen engine caches names no one.
+        // A gain under PEER_MIN_GAIN_BLOCKS over what the chosen engine caches, or is computing
+        // itself for another request, names no one.
         c[0].matched_blocks = 13;
         assert_eq!(name(&c, 0), None);
         c[0].matched_blocks = 0;
+        let own = registry.route(engines[0].slot, &hashes[..13]);
+        assert_eq!(name(&c, 0), None);
+        drop(own);
+        assert_eq!(name(&c, 0).as_deref(), Some("e2"));
+        // Nor a wait past what the chosen engine waits for a fetch (1.4 s for 16 blocks), however
+        // dear the recompute.
+        c[0].inflight = 8;
+        c[2].wait_secs = 1.5;
+        c[1].wait_secs = 1.5;
+        assert_eq!(name(&c, 0), None);
+        c[2].wait_secs = 0.0;
         // Once its requests end, an engine is computing nothing.
         drop((routed, part, whole));
         assert_eq!(name(&c, 0), None);
