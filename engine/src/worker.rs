@@ -231,7 +231,7 @@ pub struct Worker<B: Backend> {
     export_asks: Option<Receiver<ExportJob>>,
     /// Asks that wait for blocks this engine is computing, answered after the step that does
     /// (at most one per transfer served at once).
-    waiting_exports: Vec<ExportJob>,
+    waiting_exports: Vec<tiers::WaitingAsk>,
 }
 
 /// Stack of the thread that computes grammar masks beside the forward pass.
@@ -355,15 +355,11 @@ impl<B: Backend> Worker<B> {
                 }
                 // The last step computed blocks that waiting asks may want, and the commands
                 // just taken may have queued the prompts that others wait for.
-                if !self.waiting_exports.is_empty() {
-                    self.serve_exports();
-                }
+                self.serve_waiting_exports();
                 self.step();
             } else if self.has_loads() {
                 // Nothing here will compute what the waiting asks want.
-                if !self.waiting_exports.is_empty() {
-                    self.serve_exports();
-                }
+                self.serve_waiting_exports();
                 // Nothing to compute until a read lands (or the disk takes more of a drain's
                 // writes): wait on the disk, a little at a time.
                 self.poll_disk(LOAD_POLL);
@@ -374,9 +370,7 @@ impl<B: Backend> Worker<B> {
                 // Nothing left to compute: asks that waited for a block are answered with
                 // what is here (a prompt they waited for was cancelled, or found its blocks
                 // cached) rather than kept to their asker's time limit.
-                if !self.waiting_exports.is_empty() {
-                    self.serve_exports();
-                }
+                self.serve_waiting_exports();
                 match rx.recv() {
                     Ok(cmd) => self.handle(cmd),
                     Err(_) => break,
@@ -799,7 +793,7 @@ impl<B: Backend> Worker<B> {
                 let waiting = &mut self.waiting_exports;
                 let mut waited = 0;
                 let logits = self.model.forward_with(&batch, &mut |blocks| {
-                    let new = std::iter::from_fn(|| asks.try_recv().ok());
+                    let new = std::iter::from_fn(|| asks.try_recv().ok().map(tiers::fresh));
                     waited += tiers::serve_exports(
                         sched,
                         blocks,

@@ -228,10 +228,7 @@ fn a_prefix_comes_from_the_peer_that_holds_it_and_a_bad_peer_costs_only_a_recomp
     );
     assert!(cached >= 176, "only {cached} tokens came from the peer");
     assert!(taker.metric("kvgate_kv_tier_hit_tokens_total{tier=\"peer\"}") >= 176.0);
-    assert_eq!(
-        taker.metric("kvgate_kv_peer_fetches_total{result=\"complete\"}"),
-        1.0
-    );
+    assert_eq!(fetches(&taker, "complete"), 1.0);
 
     // Another tenant's request, with the same text and the same hint, gets nothing: the peer
     // holds no block of its scope.
@@ -327,26 +324,37 @@ fn wait_for_blocks(e: &Engine, n: usize) {
     }
 }
 
+/// A holder engine of 128 blocks with these `[scheduler]` settings, and the hint that names it
+/// as the peer (its base URL).
+fn holder(scheduler: &str) -> (Engine, String) {
+    let e = kvgate_tests::gateway::gated_engine(&format!("blocks = 128\n[scheduler]\n{scheduler}"));
+    let peer = format!("http://{}", e.addr);
+    (e, peer)
+}
+
+/// An engine of 128 blocks with a host tier of as many, to fetch into.
+fn new_taker() -> Engine {
+    kvgate_tests::gateway::gated_engine("blocks = 128\nhost_cache_blocks = 128")
+}
+
+/// How many of `e`'s peer fetches ended with `result`.
+fn fetches(e: &Engine, result: &str) -> f64 {
+    e.metric(&format!(
+        "kvgate_kv_peer_fetches_total{{result=\"{result}\"}}"
+    ))
+}
+
 /// A peer answers a fetch while it computes (between the layers of a step), and never sends a
 /// block before a step has computed it: a taker that fetches a prompt while its holder is part
 /// way through it (two blocks a step) waits for the blocks still being computed, and answers
 /// exactly as the holder does.
 #[test]
 fn a_peer_computing_the_prompt_sends_only_what_it_has_computed() {
-    use kvgate_tests::gateway::gated_engine;
     let prompt = tides_prompt(40);
     // Two blocks a step: the holder takes many steps over the prompt, and each one writes blocks
     // of it.
-    let holder = gated_engine(
-        "blocks = 128
-[scheduler]
-max_batched_tokens = 32",
-    );
-    let taker = gated_engine(
-        "blocks = 128
-host_cache_blocks = 128",
-    );
-    let peer = format!("http://{}", holder.addr);
+    let (holder, peer) = holder("max_batched_tokens = 32");
+    let taker = new_taker();
     let want = std::thread::scope(|scope| {
         let computing = scope.spawn(|| gated_ask(&holder, "acme", &prompt, &[]));
         // Once the holder has allocated its fourth block, its first two are computed.
@@ -363,10 +371,7 @@ host_cache_blocks = 128",
         want
     });
     // The whole prompt, once computed, comes over in full.
-    let again = gated_engine(
-        "blocks = 128
-host_cache_blocks = 128",
-    );
+    let again = new_taker();
     let hint = [("x-kvgate-prefix-peer", peer.as_str())];
     let (got, cached) = gated_ask(&again, "acme", &prompt, &hint);
     assert_eq!(got, want);
@@ -378,21 +383,10 @@ host_cache_blocks = 128",
 /// it gets as many cached tokens as from a holder that had finished, and the same answer.
 #[test]
 fn a_fetch_from_a_peer_in_prefill_waits_for_the_whole_prompt() {
-    use kvgate_tests::gateway::gated_engine;
     let prompt = tides_prompt(14);
-    let holder = gated_engine(
-        "blocks = 128
-[scheduler]
-max_batched_tokens = 64",
-    );
+    let (holder, peer) = holder("max_batched_tokens = 64");
     // Both takers start before the holder computes anything: an engine takes a while to load.
-    let [early_taker, late_taker] = [(); 2].map(|_| {
-        gated_engine(
-            "blocks = 128
-host_cache_blocks = 128",
-        )
-    });
-    let peer = format!("http://{}", holder.addr);
+    let [early_taker, late_taker] = [(); 2].map(|_| new_taker());
     let hint = [("x-kvgate-prefix-peer", peer.as_str())];
     let (early, early_cached, want) = std::thread::scope(|scope| {
         let computing = scope.spawn(|| gated_ask(&holder, "acme", &prompt, &[]));
@@ -436,21 +430,11 @@ fn wait_for_queued(e: &Engine, n: usize) {
 /// depends on the machine's speed: on a loaded one, the holder's queue can outlast it.)
 #[test]
 fn a_fetch_waits_for_a_prompt_in_the_holders_queue() {
-    use kvgate_tests::gateway::gated_engine;
     let (first, queued) = (tides_prompt(6), long_prompt("glaciers"));
     // One sequence at a time: the first request's answer keeps the holder busy while the second
     // waits in its queue.
-    let holder = gated_engine(
-        "blocks = 128
-[scheduler]
-max_seqs = 1
-max_batched_tokens = 64",
-    );
-    let taker = gated_engine(
-        "blocks = 128
-host_cache_blocks = 128",
-    );
-    let peer = format!("http://{}", holder.addr);
+    let (holder, peer) = holder("max_seqs = 1\nmax_batched_tokens = 64");
+    let taker = new_taker();
     let hint = [("x-kvgate-prefix-peer", peer.as_str())];
     let (got, cached, want) = std::thread::scope(|scope| {
         let busy = scope.spawn(|| gated_answer(&holder, "acme", &first, &[], 8));
@@ -468,12 +452,7 @@ host_cache_blocks = 128",
     assert_eq!(got, want);
     let results: Vec<(&str, f64)> = ["complete", "partial", "timed_out", "failed", "busy"]
         .into_iter()
-        .map(|r| {
-            (
-                r,
-                taker.metric(&format!("kvgate_kv_peer_fetches_total{{result=\"{r}\"}}")),
-            )
-        })
+        .map(|r| (r, fetches(&taker, r)))
         .collect();
     // Asked while the prompt was queued, the holder answered once it computed the blocks:
     // without the wait it answers at once with nothing.
@@ -493,20 +472,11 @@ host_cache_blocks = 128",
 /// and every one is served from the blocks it brought, with the same answer as the holder's.
 #[test]
 fn requests_that_want_the_same_blocks_share_one_transfer() {
-    use kvgate_tests::gateway::gated_engine;
     let prompt = tides_prompt(14);
     // Two blocks a step: the holder computes the prompt over many steps, so the first transfer
     // is still running when the other requests ask.
-    let holder = gated_engine(
-        "blocks = 128
-[scheduler]
-max_batched_tokens = 32",
-    );
-    let taker = gated_engine(
-        "blocks = 128
-host_cache_blocks = 128",
-    );
-    let peer = format!("http://{}", holder.addr);
+    let (holder, peer) = holder("max_batched_tokens = 32");
+    let taker = new_taker();
     let hint = [("x-kvgate-prefix-peer", peer.as_str())];
     let (answers, want) = std::thread::scope(|scope| {
         let computing = scope.spawn(|| gated_ask(&holder, "acme", &prompt, &[]));
@@ -521,7 +491,7 @@ host_cache_blocks = 128",
         assert_eq!(got, &want);
         assert!(*cached >= 208, "only {cached} tokens cached: {answers:?}");
     }
-    let result = |r: &str| taker.metric(&format!("kvgate_kv_peer_fetches_total{{result=\"{r}\"}}"));
+    let result = |r: &str| fetches(&taker, r);
     assert_eq!(
         holder.metric("kvgate_kv_peer_exports_total{result=\"served\"}"),
         1.0,

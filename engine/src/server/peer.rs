@@ -311,22 +311,17 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
             return 0;
         };
         let want: Vec<BlockHash> = want.into_iter().take(MAX_FETCH_BLOCKS).collect();
-        let Some(&first) = want.first() else {
+        let limit = *limit.get_or_insert_with(|| {
+            Duration::from_secs_f64(kvgate_protocol::load::peer_fetch_limit_secs(want.len()))
+        });
+        let left = limit.saturating_sub(started.elapsed());
+        // Nothing missing (a joined transfer brought it), or no time left.
+        let (Some(&first), false) = (want.first(), left.is_zero()) else {
             if joined {
                 record_fetch(state, "joined", 0, started);
             }
             return 0;
         };
-        let limit = *limit.get_or_insert_with(|| {
-            Duration::from_secs_f64(kvgate_protocol::load::peer_fetch_limit_secs(want.len()))
-        });
-        let left = limit.saturating_sub(started.elapsed());
-        if left.is_zero() {
-            if joined {
-                record_fetch(state, "joined", 0, started);
-            }
-            return 0;
-        }
         let running = match state.fetching.join_or_start(peer, first) {
             Ok(running) => running,
             Err(mut done) if !joined => {

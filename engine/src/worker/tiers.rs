@@ -384,38 +384,42 @@ impl<B: Backend> Worker<B> {
         let Some(asks) = &self.export_asks else {
             return;
         };
-        let (sched, blocks) = (&self.sched, self.model.blocks());
         let earlier = std::mem::take(&mut self.waiting_exports);
-        let waiting = &mut self.waiting_exports;
-        let never = |_| false;
-        serve_exports(
-            sched,
-            &blocks,
-            self.swap_blocks,
-            earlier,
-            &never,
-            false,
-            waiting,
-        );
-        let new = std::iter::from_fn(|| asks.try_recv().ok());
+        let new = std::iter::from_fn(|| asks.try_recv().ok().map(fresh));
         let waited = serve_exports(
-            sched,
-            &blocks,
+            &self.sched,
+            &self.model.blocks(),
             self.swap_blocks,
-            new,
-            &never,
+            earlier.into_iter().chain(new),
+            &|_| false,
             false,
-            waiting,
+            &mut self.waiting_exports,
         );
         self.count_export_waits(waited);
     }
 
-    /// Counts new asks that waited for a step ([`serve_exports`]).
+    /// [`Self::serve_exports`], when some ask waits.
+    pub(super) fn serve_waiting_exports(&mut self) {
+        if !self.waiting_exports.is_empty() {
+            self.serve_exports();
+        }
+    }
+
+    /// Counts asks that began to wait for a step ([`serve_exports`]).
     pub(super) fn count_export_waits(&self, asks: usize) {
         if asks > 0 {
             self.metrics.update(|m| m.tiers.export_waits += asks as u64);
         }
     }
+}
+
+/// An ask kept for a later step, and whether it has been counted as waiting for a block this
+/// engine computes (`kvgate_kv_peer_export_waits_total`).
+pub(super) type WaitingAsk = (ExportJob, bool);
+
+/// A new ask, not counted yet.
+pub(super) fn fresh(job: ExportJob) -> WaitingAsk {
+    (job, false)
 }
 
 /// Answers `jobs`, stopping each read at a device block for which `writing` is true (one a step
@@ -424,28 +428,29 @@ impl<B: Backend> Worker<B> {
 /// goes to `waiting` instead, to be answered after a step; so does one that finds nothing at
 /// all, when `defer_empty` (asked between the layers of a step: the request it is after may be
 /// in the commands the engine thread takes between steps). The others are answered, marked
-/// `pending` where they stop at a block this engine will compute. Returns how many went to
-/// `waiting` for a block this engine will compute. The caller frames the blocks off this
-/// thread.
+/// `pending` where they stop at a block this engine will compute. Returns how many asks began
+/// to wait for a block this engine will compute (each is counted once, however many steps it
+/// waits). The caller frames the blocks off this thread.
 pub(super) fn serve_exports<B: Backend>(
     sched: &Scheduler,
     blocks: &Blocks<'_, B>,
     swap_blocks: u32,
-    jobs: impl IntoIterator<Item = ExportJob>,
+    jobs: impl IntoIterator<Item = WaitingAsk>,
     writing: &impl Fn(u32) -> bool,
     defer_empty: bool,
-    waiting: &mut Vec<ExportJob>,
+    waiting: &mut Vec<WaitingAsk>,
 ) -> usize {
     let mut kept = 0;
-    for (ask, reply) in jobs {
+    for ((ask, reply), counted) in jobs {
         // An asker that gave up (its time limit) is not waited for.
         if reply.is_closed() {
             continue;
         }
         let got = export(sched, blocks, swap_blocks, &ask, writing);
         if got.frames.is_empty() && (got.pending || defer_empty) {
-            waiting.push((ask, reply));
-            kept += usize::from(got.pending);
+            let count = got.pending && !counted;
+            kept += usize::from(count);
+            waiting.push(((ask, reply), counted || count));
         } else {
             let _ = reply.send(got);
         }

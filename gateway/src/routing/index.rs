@@ -30,6 +30,15 @@ pub struct PrefixIndex {
     routed_count: HashMap<u128, u32, Fast>,
 }
 
+/// The slots whose bits are set in `mask`, lowest first.
+fn slots(mut mask: u64) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        let slot = (mask != 0).then(|| mask.trailing_zeros() as usize)?;
+        mask &= mask - 1;
+        Some(slot)
+    })
+}
+
 /// One key for an engine slot and a block hash: the hash, with a constant of the slot mixed in.
 /// Block hashes are uniform (BLAKE3, keyed by the deployment's seed), so two pairs collide with
 /// probability 2^-128, and the key stays uniform for the prehashed table.
@@ -117,16 +126,13 @@ impl PrefixIndex {
             }
             let held = self.holders.get(&h.0).map_or(0, |h| h.all & !h.disk)
                 | self.routed.get(&h.0).copied().unwrap_or(0);
-            let mut lost = alive & !held;
-            while lost != 0 {
-                matched[lost.trailing_zeros() as usize] = i as u32;
-                lost &= lost - 1;
+            for slot in slots(alive & !held) {
+                matched[slot] = i as u32;
             }
             alive &= held;
         }
-        while alive != 0 {
-            matched[alive.trailing_zeros() as usize] = hashes.len() as u32;
-            alive &= alive - 1;
+        for slot in slots(alive) {
+            matched[slot] = hashes.len() as u32;
         }
         matched
     }
@@ -210,38 +216,26 @@ impl PrefixIndex {
             let here = self.holders.get(&h.0).copied().unwrap_or_default();
             let held = here.all & alive;
             let fast = held & !here.disk & fast_alive;
-            let mut slow = fast_alive & !fast;
-            while slow != 0 {
-                matched[slow.trailing_zeros() as usize].fast = i as u32;
-                slow &= slow - 1;
+            for slot in slots(fast_alive & !fast) {
+                matched[slot].fast = i as u32;
             }
             fast_alive = fast;
-            let mut lost = alive & !held;
-            while lost != 0 {
-                let slot = lost.trailing_zeros() as usize;
+            for slot in slots(alive & !held) {
                 matched[slot].blocks = i as u32;
-                lost &= lost - 1;
             }
-            let (mut host, mut disk) = (here.host & held, here.disk & held);
-            while host != 0 {
-                matched[host.trailing_zeros() as usize].host += 1;
-                host &= host - 1;
+            for slot in slots(here.host & held) {
+                matched[slot].host += 1;
             }
-            while disk != 0 {
-                matched[disk.trailing_zeros() as usize].disk += 1;
-                disk &= disk - 1;
+            for slot in slots(here.disk & held) {
+                matched[slot].disk += 1;
             }
             alive = held;
         }
-        while alive != 0 {
-            let slot = alive.trailing_zeros() as usize;
+        for slot in slots(alive) {
             matched[slot].blocks = hashes.len() as u32;
-            alive &= alive - 1;
         }
-        while fast_alive != 0 {
-            let slot = fast_alive.trailing_zeros() as usize;
+        for slot in slots(fast_alive) {
             matched[slot].fast = hashes.len() as u32;
-            fast_alive &= fast_alive - 1;
         }
         matched
     }

@@ -131,6 +131,33 @@ pub struct Candidate {
     pub free_blocks: u64,
 }
 
+impl Candidate {
+    /// Requests whose steps a prefill here lengthens: those in flight on it, or on every
+    /// engine that shares its compute.
+    pub fn beside(&self) -> f64 {
+        self.inflight.max(self.compute_inflight) as f64
+    }
+
+    /// The share of the new blocks that `tokens` computed here take (blocks of `block` tokens)
+    /// that evicts cached prefixes: those its free blocks do not hold.
+    pub fn evicting_share(&self, tokens: usize, block: usize) -> f64 {
+        let new_blocks = tokens.div_ceil(block.max(1)) as u64;
+        if new_blocks == 0 {
+            return 0.0;
+        }
+        new_blocks.saturating_sub(self.free_blocks) as f64 / new_blocks as f64
+    }
+
+    /// What computing `tokens` prompt tokens here costs, in seconds, as the `prefix` policy
+    /// counts it: once for the request, once for each request beside it ([`Self::beside`]), and
+    /// once more for the share of its new blocks that evicts cached prefixes.
+    pub fn prefill_cost(&self, tokens: usize, block: usize) -> f64 {
+        tokens as f64
+            * self.secs_per_token
+            * (1.0 + self.beside() + self.evicting_share(tokens, block))
+    }
+}
+
 /// The choice and its reason.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Choice {
@@ -274,15 +301,8 @@ impl Router {
         let uncached = self.uncached(c, prompt_tokens);
         let fetched_tokens = (fetched * block).min(uncached);
         let computed = (uncached - fetched_tokens) as f64;
-        let beside = c.inflight.max(c.compute_inflight) as f64;
-        // The share of the request's new blocks that evicts cached prefixes.
-        let new_blocks = uncached.div_ceil(block.max(1)) as u64;
-        let evicting = if new_blocks == 0 {
-            0.0
-        } else {
-            new_blocks.saturating_sub(c.free_blocks) as f64 / new_blocks as f64
-        };
-        let cache = uncached as f64 * c.secs_per_token * evicting;
+        let beside = c.beside();
+        let cache = uncached as f64 * c.secs_per_token * c.evicting_share(uncached, block);
         let fetch = fetched_tokens.div_ceil(block.max(1)) as f64
             * kvgate_protocol::load::PRIOR_PEER_LOAD_SECS_PER_BLOCK;
         let compute = computed * c.secs_per_token * (1.0 + beside);

@@ -369,24 +369,19 @@ pub fn computing_peer(
     }
     let runs = index.longest_routed(hashes, all);
     let own = chosen.matched_blocks.max(runs[chosen.slot]);
-    let beside = chosen.inflight.max(chosen.compute_inflight) as f64;
+    let block = block_size as usize;
     candidates
         .iter()
         .filter(|c| c.slot != chosen.slot)
         .filter_map(|c| {
             let n = runs[c.slot];
-            let gain = n.checked_sub(own)?;
-            if gain < PEER_MIN_GAIN_BLOCKS {
+            let gain = n.checked_sub(own)? as usize;
+            if gain < PEER_MIN_GAIN_BLOCKS as usize {
                 return None;
             }
-            let limit = kvgate_protocol::load::peer_fetch_limit_secs(gain as usize);
-            // The share of the recomputed blocks that evicts other prefixes there counts once
-            // more, as the router's cost counts it.
-            let evicting =
-                u64::from(gain).saturating_sub(chosen.free_blocks) as f64 / f64::from(gain);
-            let compute =
-                f64::from(gain * block_size) * chosen.secs_per_token * (1.0 + beside + evicting);
-            (c.wait_secs <= compute.min(limit)).then_some((c.slot, n, c.wait_secs))
+            let limit = kvgate_protocol::load::peer_fetch_limit_secs(gain);
+            let recompute = chosen.prefill_cost(gain * block, block);
+            (c.wait_secs <= recompute.min(limit)).then_some((c.slot, n, c.wait_secs))
         })
         .max_by(|a, b| a.1.cmp(&b.1).then(b.2.total_cmp(&a.2)))
         .map(|(slot, n, _)| (slot, n))
