@@ -130,7 +130,7 @@ fn gemm(c: &mut Criterion) {
     // Batches of decodes.
     for dtype in [DType::F32, DType::F16] {
         let w = weight(&cpu, n, k, dtype, 1);
-        for m in [8, 16, 32] {
+        for m in [8, 16, 32, 48, 64] {
             let x = input(m, k);
             let mut out = cpu.tensor(m, n);
             g.throughput(Throughput::Elements((2 * m * n * k) as u64));

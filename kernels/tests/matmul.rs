@@ -90,6 +90,31 @@ fn gemm_shapes() {
 }
 
 #[test]
+fn decode_batch_shapes() {
+    // Batches of 9 to 64 decodes (AVX-512 runs them with x transposed): one to four vectors of
+    // x rows, partial ones, weight-row tails of the 12-row microkernel, several k blocks and
+    // k tails (past 2,048 deep, blocks summed), several column tasks and partial 16-column tiles of the final transpose.
+    for cpu in backends() {
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            for &(m, n, k) in &[
+                (9, 13, 17),
+                (16, 577, 300),
+                (17, 1000, 577),
+                (31, 49, 1536),
+                (32, 600, 530),
+                (32, 1, 16),
+                (20, 45, 4100),
+                (33, 70, 200),
+                (48, 97, 576),
+                (64, 131, 1600),
+            ] {
+                check(&cpu, 6, m, n, k, dtype, dtype == DType::F16);
+            }
+        }
+    }
+}
+
+#[test]
 fn gemm_large_multi_block() {
     // Several k blocks, several L2 row blocks, several column tasks.
     let cpu = Cpu::new();

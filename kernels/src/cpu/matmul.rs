@@ -6,6 +6,10 @@
 //!   row, in register tiles of up to 4 x rows by 4 w rows (1 x 8 for a single token), w widened
 //!   in registers; each tile prefetches the next one into L2. It streams the weights exactly
 //!   once, so it runs at memory bandwidth. Output columns are split across threads.
+//! - **GEMM for batches of decodes** (AVX-512, up to 64 rows): x^T is packed per k block and
+//!   each weight row, read in place or widened without a transpose, is broadcast value by
+//!   value against it (12 weight rows x 32 x rows per microkernel call, 6 x 64); the next
+//!   rows are prefetched into L2 meanwhile, and out^T is transposed once at the end.
 //! - **GEMM** (prefill): Goto-style blocking. A `KC x NC` block of `w^T` is packed (widened to
 //!   f32 and transposed with 16x16 register transposes) into a per-thread buffer, then a
 //!   12 x 32 outer-product microkernel runs over it, broadcasting x values. Output column ranges
@@ -195,6 +199,11 @@ trait Weights: Sync {
         }
     }
 
+    /// Columns per GEMM task.
+    fn gemm_chunk(&self, _: Isa, d: Dims, threads: usize) -> usize {
+        gemm_chunk(d.n, threads)
+    }
+
     /// Columns `n0..n1` of `out`.
     ///
     /// # Safety
@@ -215,6 +224,16 @@ trait Weights: Sync {
 impl<E: Elem> Weights for [E] {
     fn row_bytes(&self, k: usize) -> usize {
         k * std::mem::size_of::<E>()
+    }
+
+    /// A batch of decodes on AVX-512 runs the transposed-x GEMM, whose tasks need no L2 block.
+    fn gemm_chunk(&self, isa: Isa, d: Dims, threads: usize) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(isa, Isa::Avx512 | Isa::Amx) && d.m <= avx512::XT_MAX_ROWS {
+            return avx512::xt_chunk(d.n, threads);
+        }
+        let _ = isa;
+        gemm_chunk(d.n, threads)
     }
 
     unsafe fn range(
@@ -331,7 +350,7 @@ fn run<W: Weights + ?Sized>(isa: Isa, x: &[f32], w: &W, d: Dims, out: &mut [f32]
     let chunk = if gemv {
         gemv_chunk(d.n, w.row_bytes(d.k), threads, w.task_rows(isa, d.m))
     } else {
-        gemm_chunk(d.n, threads)
+        w.gemm_chunk(isa, d, threads)
     };
     let ptr = SharedOut(out.as_mut_ptr());
     let task = |c: usize| {

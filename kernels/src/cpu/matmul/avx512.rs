@@ -148,6 +148,10 @@ pub(super) unsafe fn gemm<E: Elem>(
     n1: usize,
     out: *mut f32,
 ) {
+    if d.m <= XT_MAX_ROWS {
+        // SAFETY: forwarded from the caller.
+        return unsafe { gemm_xt(x, w, d, n0, n1, out) };
+    }
     let kc_max = d.k.div_ceil(d.k.div_ceil(KC_TARGET)).next_multiple_of(16);
     let panels = (n1 - n0).div_ceil(32);
     // 16 spare floats let the packed block start on a 64-byte boundary.
@@ -286,6 +290,295 @@ unsafe fn micro<const R: usize>(
             }
             _mm512_mask_storeu_ps(cr, m0, acc0[r]);
             _mm512_mask_storeu_ps(cr.add(16), m1, acc1[r]);
+        }
+    }
+}
+
+/// Most x rows the transposed-x GEMM ([`gemm_xt`]) takes: up to four vectors of them per
+/// weight value.
+pub(super) const XT_MAX_ROWS: usize = 64;
+/// Most weight rows per call of the transposed-x microkernel.
+const XT_JR: usize = 12;
+/// Most bytes of x^T per k block of [`gemm_xt`] (in L2).
+const XT_BYTES: usize = 384 << 10;
+
+/// Weight rows per microkernel call at `lanes` x rows: 24 accumulators from 32 rows up (12 at
+/// 16 rows, where the broadcasts would otherwise outnumber the FMAs).
+fn xt_rows(lanes: usize) -> usize {
+    match lanes {
+        16 | 32 => 12,
+        48 => 8,
+        _ => 6,
+    }
+}
+
+thread_local! {
+    /// Per-thread buffers of [`gemm_xt`]: x^T, widened weight rows, and out^T.
+    static XT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Output columns per task of [`gemm_xt`]: two tasks per thread, whole 16-column tiles of the
+/// final transpose, and at most 512 columns so that a task's out^T (512 x 64 f32, 128 KiB)
+/// stays in L2.
+pub(super) fn xt_chunk(n: usize, threads: usize) -> usize {
+    n.div_ceil(2 * threads).next_multiple_of(16).min(512)
+}
+
+/// GEMM for a batch of decodes (`m <= XT_MAX_ROWS`) with the operands' roles swapped: x^T is
+/// packed once per k block (the x rows of a depth step as one to four vectors), and each
+/// weight row is
+/// read in place (f32) or widened once without a transpose (f16, bf16), then broadcast value by
+/// value against the x^T vectors. The Goto GEMM above packs and transposes every weight tile
+/// per call (64 permutes per 16 x 16 tile on the port the FMAs use), which at 32 x rows costs
+/// more than the rows it serves; here only x (small) is transposed, and out^T once at the end.
+///
+/// # Safety
+/// As for [`gemv`].
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn gemm_xt<E: Elem>(x: &[f32], w: &[E], d: Dims, n0: usize, n1: usize, out: *mut f32) {
+    let lanes = d.m.next_multiple_of(16);
+    let jr_max = xt_rows(lanes);
+    // The whole depth at once where x^T fits in L2: a task's weights are then one contiguous
+    // stream (its rows follow each other in memory), and the next microkernel call's rows are
+    // prefetched while this one runs. With k blocks, rows are read in short pieces.
+    let kc_cap = XT_BYTES / (4 * lanes);
+    let kc_max = d.k.div_ceil(d.k.div_ceil(kc_cap)).next_multiple_of(16);
+    let cols = n1 - n0;
+    let in_place = std::any::TypeId::of::<E>() == std::any::TypeId::of::<f32>();
+    let (xt_len, wb_len, acc_len) = (
+        kc_max * lanes,
+        if in_place { 0 } else { XT_JR * kc_max },
+        cols.next_multiple_of(16) * lanes,
+    );
+    XT.with(|cell| {
+        let mut buf = cell.borrow_mut();
+        // 16 spare floats for each part to start on a 64-byte boundary.
+        let needed = xt_len + wb_len + acc_len + 48;
+        if buf.len() < needed {
+            buf.resize(needed, 0.0);
+        }
+        let base = buf.as_mut_ptr();
+        let at = |off: usize| {
+            // SAFETY: off + 16 <= needed; the result stays inside buf.
+            let p = unsafe { base.add(off) };
+            // SAFETY: align_offset(64) of an f32 pointer is below 16 floats.
+            unsafe { p.add(p.align_offset(64)) }
+        };
+        let xt = at(0);
+        let wb = at(xt_len + 16);
+        let acc = at(xt_len + wb_len + 32);
+        let mut p0 = 0;
+        while p0 < d.k {
+            let kc = kc_max.min(d.k - p0);
+            // SAFETY: xt holds kc_max * lanes floats; rows 0..m of x have columns p0..p0+kc.
+            unsafe { pack_xt(x, d, p0, kc, lanes, xt) };
+            let mut j = n0;
+            while j < n1 {
+                let jr = jr_max.min(n1 - j);
+                // SAFETY: rows j..j+jr of w have columns p0..p0+kc; wb holds XT_JR * kc_max.
+                let (wr, ldw) = unsafe {
+                    if in_place {
+                        (w.as_ptr().add(j * d.k + p0).cast::<f32>(), d.k)
+                    } else {
+                        widen_rows(w.as_ptr().add(j * d.k + p0), d.k, jr, kc, wb);
+                        (wb.cast_const(), kc)
+                    }
+                };
+                // While these rows are multiplied, the next ones (the bytes that follow them in
+                // memory when the block is the whole depth) are prefetched into L2.
+                let step = jr * std::mem::size_of::<E>();
+                let mut next =
+                    NextTile::new(w.as_ptr().wrapping_add(j * d.k), kc * step, kc == d.k);
+                // SAFETY: acc holds out^T rows j - n0 .. j - n0 + jr, `lanes` floats each.
+                unsafe {
+                    let block = XtBlock {
+                        w: wr,
+                        ldw,
+                        xt,
+                        kc,
+                        c: acc.add((j - n0) * lanes),
+                        first: p0 == 0,
+                    };
+                    micro_xt_dispatch(jr, lanes, &block, &mut next, step);
+                }
+                j += jr;
+            }
+            p0 += kc;
+        }
+        // SAFETY: acc holds cols x lanes of out^T; out's rows 0..m, columns n0..n1 are ours.
+        unsafe { store_transposed(acc, lanes, cols, d, n0, out) };
+    });
+}
+
+/// `xt[p * lanes + i] = x[i, p0 + p]` for `p < kc`, zero for rows `i >= m`.
+#[inline(always)]
+unsafe fn pack_xt(x: &[f32], d: Dims, p0: usize, kc: usize, lanes: usize, xt: *mut f32) {
+    // SAFETY (whole body): rows below m have columns p0..p0+kc (the caller); xt holds
+    // kc * lanes floats; AVX-512F per the caller.
+    unsafe {
+        let mut rows = [_mm512_setzero_ps(); 16];
+        for g in (0..lanes).step_by(16) {
+            let mut pc = 0;
+            while pc < kc {
+                let kk = (kc - pc).min(16);
+                for (i, row) in rows.iter_mut().enumerate() {
+                    let r = g + i;
+                    let src = x.as_ptr().wrapping_add(r * d.k + p0 + pc);
+                    *row = match (r < d.m, kk) {
+                        (false, _) => _mm512_setzero_ps(),
+                        (true, 16) => _mm512_loadu_ps(src),
+                        (true, _) => load_partial(src, kk),
+                    };
+                }
+                transpose16(&mut rows);
+                for (t, col) in rows.iter().enumerate().take(kk) {
+                    _mm512_storeu_ps(xt.add((pc + t) * lanes + g), *col);
+                }
+                pc += kk;
+            }
+        }
+    }
+}
+
+/// Widens `rows` weight rows (stride `k`), `kc` values each, into `dst` (stride `kc`).
+#[inline(always)]
+unsafe fn widen_rows<E: Elem>(w: *const E, k: usize, rows: usize, kc: usize, dst: *mut f32) {
+    // SAFETY (whole body): the caller guarantees `rows` rows of kc readable values and
+    // rows * kc writable floats at dst; AVX-512F/F16C per the caller.
+    unsafe {
+        for r in 0..rows {
+            let (src, to) = (w.add(r * k), dst.add(r * kc));
+            let mut p = 0;
+            while p + 16 <= kc {
+                _mm512_storeu_ps(to.add(p), E::load16(src.add(p)));
+                p += 16;
+            }
+            if p < kc {
+                let m: __mmask16 = (1u16 << (kc - p)) - 1;
+                _mm512_mask_storeu_ps(to.add(p), m, load_partial(src.add(p), kc - p));
+            }
+        }
+    }
+}
+
+/// One microkernel call of [`gemm_xt`]: `C^T (+)= W * X^T` over a k block.
+#[derive(Clone, Copy)]
+struct XtBlock {
+    /// Weight rows (f32) with stride `ldw`.
+    w: *const f32,
+    ldw: usize,
+    /// x^T, `lanes` values per depth step.
+    xt: *const f32,
+    /// Depth of the block.
+    kc: usize,
+    /// out^T rows, `lanes` floats each.
+    c: *mut f32,
+    /// Overwrite C^T instead of adding to it (the first k block).
+    first: bool,
+}
+
+#[inline(always)]
+unsafe fn micro_xt_dispatch(
+    jr: usize,
+    lanes: usize,
+    b: &XtBlock,
+    next: &mut NextTile,
+    step: usize,
+) {
+    macro_rules! by_rows {
+        ($v:literal; $($j:literal)+) => {
+            match jr {
+                $($j => micro_xt::<$j, $v>(b, next, step),)+
+                _ => unreachable!("{jr} weight rows at {lanes} x rows"),
+            }
+        };
+    }
+    // SAFETY: forwarded from the caller, with jr <= xt_rows(lanes) weight rows and `lanes`
+    // x rows.
+    unsafe {
+        match lanes {
+            16 => by_rows!(1; 1 2 3 4 5 6 7 8 9 10 11 12),
+            32 => by_rows!(2; 1 2 3 4 5 6 7 8 9 10 11 12),
+            48 => by_rows!(3; 1 2 3 4 5 6 7 8),
+            _ => by_rows!(4; 1 2 3 4 5 6),
+        }
+    }
+}
+
+/// `C^T[J x 16V] (+)= W[J x kc] * X^T[kc x 16V]` for the block `b` (J weight rows, 16 V x rows).
+/// Each depth step keeps `next` up to `step` more bytes.
+#[inline(always)]
+unsafe fn micro_xt<const J: usize, const V: usize>(b: &XtBlock, next: &mut NextTile, step: usize) {
+    let XtBlock {
+        w,
+        ldw,
+        xt,
+        kc,
+        c,
+        first,
+    } = *b;
+    // SAFETY (whole body): the caller guarantees J rows of kc weights, kc * 16V packed x^T
+    // values and J * 16V floats of C^T; AVX-512F per the caller.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); V]; J];
+        for p in 0..kc {
+            next.keep_up((p + 1) * step);
+            let mut xv = [_mm512_setzero_ps(); V];
+            for (v, xv) in xv.iter_mut().enumerate() {
+                *xv = _mm512_loadu_ps(xt.add(p * 16 * V + v * 16));
+            }
+            for (j, accj) in acc.iter_mut().enumerate() {
+                let b = _mm512_set1_ps(*w.add(j * ldw + p));
+                for v in 0..V {
+                    accj[v] = _mm512_fmadd_ps(b, xv[v], accj[v]);
+                }
+            }
+        }
+        for (j, accj) in acc.iter().enumerate() {
+            for (v, &a) in accj.iter().enumerate() {
+                let at = c.add(j * 16 * V + v * 16);
+                let sum = if first {
+                    a
+                } else {
+                    _mm512_add_ps(a, _mm512_loadu_ps(at))
+                };
+                _mm512_storeu_ps(at, sum);
+            }
+        }
+    }
+}
+
+/// Writes out^T (`cols` rows of `lanes` floats at `acc`) into columns `n0..n0 + cols` of the
+/// first `m` rows of `out`, a 16 x 16 register transpose per tile.
+#[inline(always)]
+unsafe fn store_transposed(
+    acc: *const f32,
+    lanes: usize,
+    cols: usize,
+    d: Dims,
+    n0: usize,
+    out: *mut f32,
+) {
+    // SAFETY (whole body): acc holds cols.next_multiple_of(16) x lanes floats (the rows past
+    // cols are read, not stored); the masked stores touch columns n0..n0+cols of rows < m.
+    unsafe {
+        let mut rows = [_mm512_setzero_ps(); 16];
+        for c0 in (0..cols).step_by(16) {
+            let width = (cols - c0).min(16);
+            let mask: __mmask16 = if width == 16 {
+                0xffff
+            } else {
+                (1u16 << width) - 1
+            };
+            for g in (0..lanes.min(d.m.next_multiple_of(16))).step_by(16) {
+                for (t, row) in rows.iter_mut().enumerate() {
+                    *row = _mm512_loadu_ps(acc.add((c0 + t) * lanes + g));
+                }
+                transpose16(&mut rows);
+                for (i, row) in rows.iter().enumerate().take(d.m.saturating_sub(g).min(16)) {
+                    _mm512_mask_storeu_ps(out.add((g + i) * d.n + n0 + c0), mask, *row);
+                }
+            }
         }
     }
 }
