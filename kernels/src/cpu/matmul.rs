@@ -1,22 +1,24 @@
 //! `out = x @ w^T (+ bias)`: x `[m, k]` f32 activations, w `[n, k]` weights in f32, f16 or bf16,
 //! f32 accumulation. Work is `m * n * k` multiply-adds; the weights are read once per call.
 //!
-//! Two algorithms, chosen by `m`:
-//! - **GEMV** (`m <= GEMV_MAX_ROWS`, `AVX2_GEMV_MAX_ROWS` with AVX2: decode and batches of decodes): each output is a dot product of an x row and a w
-//!   row, in register tiles of up to 4 x rows by 4 w rows (1 x 8 for a single token), w widened
-//!   in registers; each tile prefetches the next one into L2. It streams the weights exactly
-//!   once, so it runs at memory bandwidth. Output columns are split across threads.
-//! - **GEMM for batches of decodes** (AVX-512, up to 64 rows): x^T is packed per k block and
-//!   each weight row, read in place or widened without a transpose, is broadcast value by
-//!   value against it (12 weight rows x 32 x rows per microkernel call, 6 x 64); the next
-//!   rows are prefetched into L2 meanwhile, and out^T is transposed once at the end.
-//! - **GEMM** (prefill): Goto-style blocking. A `KC x NC` block of `w^T` is packed (widened to
+//! Three algorithms, chosen by `m`:
+//! - **GEMV** (`m <= GEMV_MAX_ROWS`, `AVX2_GEMV_MAX_ROWS` with AVX2: decode and batches of
+//!   decodes): each output is a dot product of an x row and a w row, in register tiles of up to
+//!   4 x rows by 4 w rows (1 x 8 for a single token), w widened in registers; each tile
+//!   prefetches the next one into L2. It streams the weights exactly once, so it runs at memory
+//!   bandwidth. Output columns are split across threads.
+//! - **GEMM for batches of decodes** (AVX-512, from `GEMV_MAX_ROWS + 1` to 64 rows): x^T is
+//!   packed per k block and each weight row, read in place or widened without a transpose, is
+//!   broadcast value by value against it (12 weight rows x 32 x rows per microkernel call,
+//!   6 x 64); the next rows are prefetched into L2 meanwhile, and out^T is transposed once at
+//!   the end.
+//! - **GEMM** (prefill, past 64 rows): Goto-style blocking. A `KC x NC` block of `w^T` is packed (widened to
 //!   f32 and transposed with 16x16 register transposes) into a per-thread buffer, then a
 //!   12 x 32 outer-product microkernel runs over it, broadcasting x values. Output column ranges
 //!   are split across threads.
 //!
-//! Both have AVX-512 versions (`avx512`), AVX2 versions at half the width (`avx2`) and a
-//! portable fallback (`portable`).
+//! The GEMV and the Goto GEMM have AVX-512 versions (`avx512`), AVX2 versions at half the width
+//! (`avx2`) and a portable fallback (`portable`); the batch GEMM is AVX-512 only.
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
