@@ -92,8 +92,9 @@ fn gemm_shapes() {
 #[test]
 fn decode_batch_shapes() {
     // Batches of 9 to 64 decodes (AVX-512 runs them with x transposed): one to four vectors of
-    // x rows, partial ones, weight-row tails of the 12-row microkernel, several k blocks and
-    // k tails (past 2,048 deep, blocks summed), several column tasks and partial 16-column tiles of the final transpose.
+    // x rows, partial ones, weight-row tails of each microkernel (12, 8 and 6 rows), k tails,
+    // several k blocks summed (x^T is cut at 384 KiB: past 3,072 deep at 32 rows, 2,048 at 48,
+    // 1,536 at 64), several column tasks and partial 16-column tiles of the final transpose.
     for cpu in backends() {
         for dtype in [DType::F32, DType::F16, DType::BF16] {
             for &(m, n, k) in &[
@@ -107,6 +108,8 @@ fn decode_batch_shapes() {
                 (33, 70, 200),
                 (48, 97, 576),
                 (64, 131, 1600),
+                (40, 30, 2100),
+                (57, 77, 1700),
             ] {
                 check(&cpu, 6, m, n, k, dtype, dtype == DType::F16);
             }

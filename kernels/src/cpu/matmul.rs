@@ -10,12 +10,12 @@
 //! - **GEMM for batches of decodes** (AVX-512, from `GEMV_MAX_ROWS + 1` to 64 rows): x^T is
 //!   packed per k block and each weight row, read in place or widened without a transpose, is
 //!   broadcast value by value against it (12 weight rows x 32 x rows per microkernel call,
-//!   6 x 64); the next rows are prefetched into L2 meanwhile, and out^T is transposed once at
-//!   the end.
-//! - **GEMM** (prefill, past 64 rows): Goto-style blocking. A `KC x NC` block of `w^T` is packed (widened to
-//!   f32 and transposed with 16x16 register transposes) into a per-thread buffer, then a
-//!   12 x 32 outer-product microkernel runs over it, broadcasting x values. Output column ranges
-//!   are split across threads.
+//!   8 x 48, 6 x 64); the next rows are prefetched into L2 meanwhile, and out^T is transposed
+//!   once at the end.
+//! - **GEMM** (prefill, past 64 rows): Goto-style blocking. A `KC x NC` block of `w^T` is
+//!   packed (widened to f32 and transposed with 16x16 register transposes) into a per-thread
+//!   buffer, then a 12 x 32 outer-product microkernel runs over it, broadcasting x values.
+//!   Output column ranges are split across threads.
 //!
 //! The GEMV and the Goto GEMM have AVX-512 versions (`avx512`), AVX2 versions at half the width
 //! (`avx2`) and a portable fallback (`portable`); the batch GEMM is AVX-512 only.

@@ -361,8 +361,8 @@ unsafe fn gemm_xt<E: Elem>(x: &[f32], w: &[E], d: Dims, n0: usize, n1: usize, ou
         let at = |off: usize| {
             // SAFETY: off + 16 <= needed; the result stays inside buf.
             let p = unsafe { base.add(off) };
-            // SAFETY: align_offset(64) of an f32 pointer is below 16 floats.
-            unsafe { p.add(p.align_offset(64)) }
+            // SAFETY: at most 15 floats further, inside the 16 spare ones.
+            unsafe { p.add(p.align_offset(64).min(15)) }
         };
         let xt = at(0);
         let wb = at(xt_len + 16);
