@@ -379,12 +379,16 @@ fn gemv_chunk(n: usize, row_bytes: usize, threads: usize, rows: usize) -> usize 
     n.div_ceil(tasks).next_multiple_of(rows).max(rows)
 }
 
+/// Widest column block a Goto GEMM task packs (`KC x NC_MAX` f32 = 256 KiB at the AVX-512
+/// kernel's depth, in L2).
+const NC_MAX: usize = 256;
+
 /// Columns per task for the GEMM: a multiple of the 32-wide microkernel panel, at most about
 /// `NC_MAX` (so a packed `KC x NC` block stays in L2), with the task count a multiple of the
 /// thread count.
 fn gemm_chunk(n: usize, threads: usize) -> usize {
     let per_thread = n.div_ceil(threads);
-    let rounds = per_thread.div_ceil(avx512::NC_MAX);
+    let rounds = per_thread.div_ceil(NC_MAX);
     per_thread.div_ceil(rounds).next_multiple_of(32)
 }
 

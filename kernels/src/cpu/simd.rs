@@ -40,6 +40,7 @@ impl Isa {
     /// Every instruction set this CPU supports, slowest first (always starts with
     /// [`Isa::Portable`]).
     pub fn available() -> Vec<Isa> {
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut isas = vec![Isa::Portable];
         #[cfg(target_arch = "x86_64")]
         {

@@ -10,8 +10,6 @@ use std::cell::RefCell;
 use super::{Dims, NextTile};
 use crate::cpu::simd::{load_partial, reduce16, Elem};
 
-/// Widest column block a GEMM task packs (`KC_TARGET x NC_MAX` f32 = 256 KiB, in L2).
-pub(super) const NC_MAX: usize = 256;
 /// Depth of a packed block: a 32-column panel of it (32 KiB) stays in L1 across x tiles.
 const KC_TARGET: usize = 256;
 /// Rows of x per microkernel call (24 accumulators + 2 panel vectors + 1 broadcast).

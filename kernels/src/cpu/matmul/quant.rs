@@ -202,6 +202,7 @@ pub(crate) trait QDot: QuantBlock {
     fn dot(&self, x: &BlockQ8x) -> f32;
 
     /// Whether blocks carry an offset `m` (Q4_1) besides the scale.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     const HAS_OFFSET: bool;
 
     /// From this many x rows the VNNI tile kernel (`vnni`) runs where there is no AMX. Its 16
@@ -248,6 +249,7 @@ pub(crate) trait QDot: QuantBlock {
     /// Whether [`QDot::weights256`]'s bytes are signed (Q8_0) or unsigned (Q4_1's nibbles): the
     /// batched kernels multiply them with `vpmaddubsw` (after moving the sign onto x) or
     /// `tdpbssd`, and `vpmaddubsw` directly or `tdpbusd`.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     const SIGNED: bool;
 
     /// The 16 rows of `nb` blocks at `w` as the tile kernels read them: block `b` of the 16
@@ -767,7 +769,7 @@ impl<B: QDot> super::avx2::PanelRows for Rows<'_, B> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
 
@@ -780,7 +782,6 @@ mod tests {
     }
 
     #[test]
-    #[cfg(target_arch = "x86_64")]
     fn the_amx_staging_puts_each_weight_and_scale_where_the_tile_loads_read_it() {
         // Staging and scales are plain AVX-512, so this runs on any CPU with AVX-512, AMX or not.
         if !Isa::detect().avx512() {
