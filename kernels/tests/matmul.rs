@@ -46,22 +46,13 @@ fn check(cpu: &Cpu, seed: u64, m: usize, n: usize, k: usize, dtype: DType, bias:
     }
 }
 
-#[test]
-fn gemv_shapes() {
+/// [`check`] on every backend, for f32, f16 and bf16 weights, each shape with the biases given.
+fn check_shapes(seed: u64, shapes: &[(usize, usize, usize)], biases: impl Fn(DType) -> Vec<bool>) {
     for cpu in backends() {
         for dtype in [DType::F32, DType::F16, DType::BF16] {
-            for &(m, n, k) in &[
-                (1, 577, 576),
-                (3, 64, 577),
-                (1, 7, 15),
-                (2, 33, 17),
-                (8, 9, 64),
-                // Batches of decodes: the AVX2 kernels' GEMV takes up to 64 rows.
-                (32, 20, 576),
-                (AVX2_GEMV_MAX_ROWS, 9, 64),
-            ] {
-                for bias in [false, true] {
-                    check(&cpu, 1, m, n, k, dtype, bias);
+            for &(m, n, k) in shapes {
+                for bias in biases(dtype) {
+                    check(&cpu, seed, m, n, k, dtype, bias);
                 }
             }
         }
@@ -69,24 +60,32 @@ fn gemv_shapes() {
 }
 
 #[test]
+fn gemv_shapes() {
+    let shapes = [
+        (1, 577, 576),
+        (3, 64, 577),
+        (1, 7, 15),
+        (2, 33, 17),
+        (8, 9, 64),
+        // Batches of decodes: the AVX2 kernels' GEMV takes up to 64 rows.
+        (32, 20, 576),
+        (AVX2_GEMV_MAX_ROWS, 9, 64),
+    ];
+    check_shapes(1, &shapes, |_| vec![false, true]);
+}
+
+#[test]
 fn gemm_shapes() {
-    for cpu in backends() {
-        for dtype in [DType::F32, DType::F16, DType::BF16] {
-            for &(m, n, k) in &[
-                (64, 577, 64),
-                (64, 96, 577),
-                (9, 33, 300),
-                (29, 31, 1),
-                // Past the AVX2 kernels' GEMV rows too.
-                (AVX2_GEMV_MAX_ROWS + 1, 40, 300),
-                (AVX2_GEMV_MAX_ROWS + 7, 577, 64),
-            ] {
-                for bias in [false, true] {
-                    check(&cpu, 2, m, n, k, dtype, bias);
-                }
-            }
-        }
-    }
+    let shapes = [
+        (64, 577, 64),
+        (64, 96, 577),
+        (9, 33, 300),
+        (29, 31, 1),
+        // Past the AVX2 kernels' GEMV rows too.
+        (AVX2_GEMV_MAX_ROWS + 1, 40, 300),
+        (AVX2_GEMV_MAX_ROWS + 7, 577, 64),
+    ];
+    check_shapes(2, &shapes, |_| vec![false, true]);
 }
 
 #[test]
@@ -95,26 +94,21 @@ fn decode_batch_shapes() {
     // x rows, partial ones, weight-row tails of each microkernel (12, 8 and 6 rows), k tails,
     // several k blocks summed (x^T is cut at 384 KiB: past 3,072 deep at 32 rows, 2,048 at 48,
     // 1,536 at 64), several column tasks and partial 16-column tiles of the final transpose.
-    for cpu in backends() {
-        for dtype in [DType::F32, DType::F16, DType::BF16] {
-            for &(m, n, k) in &[
-                (9, 13, 17),
-                (16, 577, 300),
-                (17, 1000, 577),
-                (31, 49, 1536),
-                (32, 600, 530),
-                (32, 1, 16),
-                (20, 45, 4100),
-                (33, 70, 200),
-                (48, 97, 576),
-                (64, 131, 1600),
-                (40, 30, 2100),
-                (57, 77, 1700),
-            ] {
-                check(&cpu, 6, m, n, k, dtype, dtype == DType::F16);
-            }
-        }
-    }
+    let shapes = [
+        (9, 13, 17),
+        (16, 577, 300),
+        (17, 1000, 577),
+        (31, 49, 1536),
+        (32, 600, 530),
+        (32, 1, 16),
+        (20, 45, 4100),
+        (33, 70, 200),
+        (48, 97, 576),
+        (64, 131, 1600),
+        (40, 30, 2100),
+        (57, 77, 1700),
+    ];
+    check_shapes(6, &shapes, |dtype| vec![dtype == DType::F16]);
 }
 
 #[test]

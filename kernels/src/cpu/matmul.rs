@@ -228,11 +228,11 @@ impl<E: Elem> Weights for [E] {
         k * std::mem::size_of::<E>()
     }
 
-    /// A batch of decodes on AVX-512 runs the transposed-x GEMM, whose tasks need no L2 block.
+    /// The AVX-512 GEMM splits batches of decodes its own way.
     fn gemm_chunk(&self, isa: Isa, d: Dims, threads: usize) -> usize {
         #[cfg(target_arch = "x86_64")]
-        if matches!(isa, Isa::Avx512 | Isa::Amx) && d.m <= avx512::XT_MAX_ROWS {
-            return avx512::xt_chunk(d.n, threads);
+        if matches!(isa, Isa::Avx512 | Isa::Amx) {
+            return avx512::gemm_chunk(d, threads);
         }
         let _ = isa;
         gemm_chunk(d.n, threads)

@@ -146,7 +146,7 @@ pub(super) unsafe fn gemm<E: Elem>(
     n1: usize,
     out: *mut f32,
 ) {
-    if d.m <= XT_MAX_ROWS {
+    if transposed_x(d.m) {
         // SAFETY: forwarded from the caller.
         return unsafe { gemm_xt(x, w, d, n0, n1, out) };
     }
@@ -183,7 +183,7 @@ unsafe fn gemm_packed<E: Elem>(
     while p0 < d.k {
         let kc = kc_max.min(d.k - p0);
         // SAFETY: w has n * k values; buf has panels * kc_max * 32 >= panels * kc * 32.
-        unsafe { pack_block(w, d.k, n0, n1, p0, kc, buf.as_mut_ptr()) };
+        unsafe { pack_block(w, d.k, n0, n1, p0, kc, 32, buf.as_mut_ptr()) };
         let mut i0 = 0;
         while i0 < d.m {
             let mc = MC.min(d.m - i0);
@@ -294,9 +294,12 @@ unsafe fn micro<const R: usize>(
 
 /// Most x rows the transposed-x GEMM ([`gemm_xt`]) takes: up to four vectors of them per
 /// weight value.
-pub(super) const XT_MAX_ROWS: usize = 64;
-/// Most weight rows per call of the transposed-x microkernel.
-const XT_JR: usize = 12;
+const XT_MAX_ROWS: usize = 64;
+
+/// Whether [`gemm`] runs `m` rows of x as a batch of decodes ([`gemm_xt`]).
+fn transposed_x(m: usize) -> bool {
+    m <= XT_MAX_ROWS
+}
 /// Most bytes of x^T per k block of [`gemm_xt`] (in L2).
 const XT_BYTES: usize = 384 << 10;
 
@@ -315,11 +318,15 @@ thread_local! {
     static XT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Output columns per task of [`gemm_xt`]: two tasks per thread, whole 16-column tiles of the
-/// final transpose, and at most 512 columns so that a task's out^T (512 x 64 f32, 128 KiB)
-/// stays in L2.
-pub(super) fn xt_chunk(n: usize, threads: usize) -> usize {
-    n.div_ceil(2 * threads).next_multiple_of(16).min(512)
+/// Output columns per task of [`gemm`]. For a batch of decodes ([`gemm_xt`]): two tasks per
+/// thread, whole 16-column tiles of the final transpose, and at most 512 columns so that a
+/// task's out^T (512 x 64 f32, 128 KiB) stays in L2; otherwise the Goto GEMM's split.
+pub(super) fn gemm_chunk(d: Dims, threads: usize) -> usize {
+    if transposed_x(d.m) {
+        d.n.div_ceil(2 * threads).next_multiple_of(16).min(512)
+    } else {
+        super::gemm_chunk(d.n, threads)
+    }
 }
 
 /// GEMM for a batch of decodes (`m <= XT_MAX_ROWS`) with the operands' roles swapped: x^T is
@@ -345,7 +352,7 @@ unsafe fn gemm_xt<E: Elem>(x: &[f32], w: &[E], d: Dims, n0: usize, n1: usize, ou
     let in_place = std::any::TypeId::of::<E>() == std::any::TypeId::of::<f32>();
     let (xt_len, wb_len, acc_len) = (
         kc_max * lanes,
-        if in_place { 0 } else { XT_JR * kc_max },
+        if in_place { 0 } else { jr_max * kc_max },
         cols.next_multiple_of(16) * lanes,
     );
     XT.with(|cell| {
@@ -368,12 +375,13 @@ unsafe fn gemm_xt<E: Elem>(x: &[f32], w: &[E], d: Dims, n0: usize, n1: usize, ou
         let mut p0 = 0;
         while p0 < d.k {
             let kc = kc_max.min(d.k - p0);
+            // x^T as one panel of `lanes` columns (its rows past m zero).
             // SAFETY: xt holds kc_max * lanes floats; rows 0..m of x have columns p0..p0+kc.
-            unsafe { pack_xt(x, d, p0, kc, lanes, xt) };
+            unsafe { pack_block(x, d.k, 0, d.m, p0, kc, lanes, xt) };
             let mut j = n0;
             while j < n1 {
                 let jr = jr_max.min(n1 - j);
-                // SAFETY: rows j..j+jr of w have columns p0..p0+kc; wb holds XT_JR * kc_max.
+                // SAFETY: rows j..j+jr of w have columns p0..p0+kc; wb holds jr_max * kc_max.
                 let (wr, ldw) = unsafe {
                     if in_place {
                         (w.as_ptr().add(j * d.k + p0).cast::<f32>(), d.k)
@@ -406,36 +414,6 @@ unsafe fn gemm_xt<E: Elem>(x: &[f32], w: &[E], d: Dims, n0: usize, n1: usize, ou
         // SAFETY: acc holds cols x lanes of out^T; out's rows 0..m, columns n0..n1 are ours.
         unsafe { store_transposed(acc, lanes, cols, d, n0, out) };
     });
-}
-
-/// `xt[p * lanes + i] = x[i, p0 + p]` for `p < kc`, zero for rows `i >= m`.
-#[inline(always)]
-unsafe fn pack_xt(x: &[f32], d: Dims, p0: usize, kc: usize, lanes: usize, xt: *mut f32) {
-    // SAFETY (whole body): rows below m have columns p0..p0+kc (the caller); xt holds
-    // kc * lanes floats; AVX-512F per the caller.
-    unsafe {
-        let mut rows = [_mm512_setzero_ps(); 16];
-        for g in (0..lanes).step_by(16) {
-            let mut pc = 0;
-            while pc < kc {
-                let kk = (kc - pc).min(16);
-                for (i, row) in rows.iter_mut().enumerate() {
-                    let r = g + i;
-                    let src = x.as_ptr().wrapping_add(r * d.k + p0 + pc);
-                    *row = match (r < d.m, kk) {
-                        (false, _) => _mm512_setzero_ps(),
-                        (true, 16) => _mm512_loadu_ps(src),
-                        (true, _) => load_partial(src, kk),
-                    };
-                }
-                transpose16(&mut rows);
-                for (t, col) in rows.iter().enumerate().take(kk) {
-                    _mm512_storeu_ps(xt.add((pc + t) * lanes + g), *col);
-                }
-                pc += kk;
-            }
-        }
-    }
 }
 
 /// Widens `rows` weight rows (stride `k`), `kc` values each, into `dst` (stride `kc`).
@@ -568,7 +546,7 @@ unsafe fn store_transposed(
             } else {
                 (1u16 << width) - 1
             };
-            for g in (0..lanes.min(d.m.next_multiple_of(16))).step_by(16) {
+            for g in (0..lanes).step_by(16) {
                 for (t, row) in rows.iter_mut().enumerate() {
                     *row = _mm512_loadu_ps(acc.add((c0 + t) * lanes + g));
                 }
@@ -581,9 +559,12 @@ unsafe fn store_transposed(
     }
 }
 
-/// Packs `w[n0..n1, p0..p0+kc]^T` as f32 into 32-column panels: panel q holds
-/// `dst[q * kc * 32 + p * 32 + jj] = w[n0 + 32 q + jj, p0 + p]`, zero past `n1`.
+/// Packs `w[n0..n1, p0..p0+kc]^T` as f32 into panels of `width` columns (a multiple of 16):
+/// panel q holds `dst[q * kc * width + p * width + jj] = w[n0 + width q + jj, p0 + p]`, zero
+/// past `n1`. The Goto GEMM packs weights in 32-column panels; the batch GEMM packs x^T as one
+/// panel of all its rows.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn pack_block<E: Elem>(
     w: &[E],
     k: usize,
@@ -591,14 +572,15 @@ unsafe fn pack_block<E: Elem>(
     n1: usize,
     p0: usize,
     kc: usize,
+    width: usize,
     dst: *mut f32,
 ) {
-    let panels = (n1 - n0).div_ceil(32);
+    let panels = (n1 - n0).div_ceil(width);
     // SAFETY: AVX-512F per the caller.
     let mut rows = [unsafe { _mm512_setzero_ps() }; 16];
     for q in 0..panels {
-        for half in 0..2 {
-            let j0 = n0 + q * 32 + half * 16;
+        for half in 0..width / 16 {
+            let j0 = n0 + q * width + half * 16;
             let mut pc = 0;
             while pc < kc {
                 let kk = (kc - pc).min(16);
@@ -625,7 +607,7 @@ unsafe fn pack_block<E: Elem>(
                 for (t, col) in rows.iter().enumerate().take(kk) {
                     // SAFETY: panel q, row pc + t < kc, half `half`: inside the block.
                     unsafe {
-                        let at = dst.add(q * kc * 32 + (pc + t) * 32 + half * 16);
+                        let at = dst.add(q * kc * width + (pc + t) * width + half * 16);
                         _mm512_storeu_ps(at, *col);
                     }
                 }
