@@ -291,6 +291,19 @@ fn check_batch(q: &CpuTensor, shape: AttnShape, seqs: impl Iterator<Item = (usiz
     }
 }
 
+/// Scratch floats an item needs: the scaled queries, the accumulators and the softmax state
+/// of its rows, and for a decode (one query) each row's scores over the context, rounded up
+/// to a whole tile.
+fn scratch_len(rows: &Rows, hd: usize) -> usize {
+    let n = rows.queries * rows.group;
+    let scores = if rows.queries == 1 {
+        n * rows.first_limit.next_multiple_of(TILE)
+    } else {
+        0
+    };
+    n * (2 * hd + 2) + scores
+}
+
 /// Splits the batch into items and runs them in parallel.
 fn run<E: Elem, L: KvLayout>(
     isa: Isa,
@@ -325,7 +338,7 @@ fn run<E: Elem, L: KvLayout>(
         let lay = layout(it.seq);
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
-            let need = rows.queries * group * (2 * job.shape.head_dim + 2);
+            let need = scratch_len(&rows, job.shape.head_dim);
             if s.len() < need {
                 s.resize(need, 0.0);
             }

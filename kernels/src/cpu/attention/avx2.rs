@@ -32,23 +32,30 @@ pub(super) unsafe fn item<E: Elem, L: KvLayout>(
 /// The AVX2 tile update.
 struct Avx2Row;
 
+/// Lanes `0..n` of 8 set (n may be anything: at most 8 count).
+#[inline(always)]
+unsafe fn first_lanes(n: usize) -> __m256 {
+    // SAFETY: register-only AVX2; the caller has it.
+    unsafe {
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let limit = _mm256_set1_epi32(n.min(8) as i32);
+        _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit, lane))
+    }
+}
+
 impl RowKernel for Avx2Row {
     #[inline(always)]
-    unsafe fn tile_row<E: Elem, const HD: usize>(
+    unsafe fn tile_scores<E: Elem, const HD: usize>(
         q: *const f32,
         k: *const E,
-        v: *const E,
         offs: &[usize; TILE],
         n: usize,
         hd: usize,
-        (m, l): (&mut f32, &mut f32),
-        acc: *mut f32,
+        s: *mut f32,
     ) {
         let nv = if HD > 0 { HD / 8 } else { hd / 8 };
-        // SAFETY (whole body): q and acc hold hd values; offs[t] + hd is inside K and V for
-        // t < n; AVX2/FMA/F16C per the caller.
+        // SAFETY: per the caller.
         unsafe {
-            let mut s = [0.0f32; TILE];
             for half in 0..TILE / 8 {
                 let mut sums = [_mm256_setzero_ps(); 8];
                 for (i, sum) in sums.iter_mut().enumerate() {
@@ -66,35 +73,83 @@ impl RowKernel for Avx2Row {
                         *sum = a;
                     }
                 }
-                _mm256_storeu_ps(s.as_mut_ptr().add(half * 8), reduce8(&sums));
+                _mm256_storeu_ps(s.add(half * 8), reduce8(&sums));
             }
-            let tile_max = s[..n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn online(s: *mut f32, n: usize, m: &mut f32, l: &mut f32) -> f32 {
+        // SAFETY: s holds 16 values; AVX2/FMA per the caller.
+        unsafe {
+            let tile_max = (0..n).fold(f32::NEG_INFINITY, |a, t| a.max(*s.add(t)));
             let m_new = m.max(tile_max);
-            let mut pa = [0.0f32; TILE];
             let mut psum = _mm256_setzero_ps();
             for half in 0..TILE / 8 {
-                let sv = _mm256_loadu_ps(s.as_ptr().add(half * 8));
-                let p = exp256(_mm256_sub_ps(sv, _mm256_set1_ps(m_new)));
+                let at = s.add(half * 8);
+                let p = exp256(_mm256_sub_ps(_mm256_loadu_ps(at), _mm256_set1_ps(m_new)));
                 // Lanes past n are not tokens of this tile.
-                let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                let limit = _mm256_set1_epi32(n as i32 - (half * 8) as i32);
-                let valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit, lane));
-                let p = _mm256_and_ps(p, valid);
+                let p = _mm256_and_ps(p, first_lanes(n.saturating_sub(half * 8)));
                 psum = _mm256_add_ps(psum, p);
-                _mm256_storeu_ps(pa.as_mut_ptr().add(half * 8), p);
+                _mm256_storeu_ps(at, p);
             }
             // Once the running max settles, most tiles leave it unchanged: skip the exp then.
             let corr = if m_new > *m { (*m - m_new).exp() } else { 1.0 };
             *l = *l * corr + hsum256(psum);
             *m = m_new;
-            let corr_v = _mm256_set1_ps(corr);
+            corr
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn softmax(s: *mut f32, len: usize) -> f32 {
+        // SAFETY: s holds len values with room to the next multiple of 16; AVX2/FMA per the
+        // caller.
+        unsafe {
+            let vecs = len.div_ceil(8);
+            let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+            let mut mx = ninf;
+            for i in 0..vecs {
+                let keep = first_lanes(len - 8 * i);
+                let x = _mm256_blendv_ps(ninf, _mm256_loadu_ps(s.add(8 * i)), keep);
+                mx = _mm256_max_ps(mx, x);
+            }
+            let mut lanes = [0.0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), mx);
+            let mx = _mm256_set1_ps(lanes.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)));
+            let mut sum = _mm256_setzero_ps();
+            for i in 0..vecs {
+                let at = s.add(8 * i);
+                let p = exp256(_mm256_sub_ps(_mm256_loadu_ps(at), mx));
+                let p = _mm256_and_ps(p, first_lanes(len - 8 * i));
+                _mm256_storeu_ps(at, p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            hsum256(sum)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn tile_pv<E: Elem, const HD: usize>(
+        p: *const f32,
+        v: *const E,
+        offs: &[usize; TILE],
+        n: usize,
+        hd: usize,
+        corr: f32,
+        acc: *mut f32,
+    ) {
+        let nv = if HD > 0 { HD / 8 } else { hd / 8 };
+        // SAFETY: per the caller.
+        unsafe {
+            let corr = _mm256_set1_ps(corr);
             let mut av = [_mm256_setzero_ps(); 32];
             for (c, a) in av.iter_mut().enumerate().take(nv) {
-                *a = _mm256_mul_ps(_mm256_loadu_ps(acc.add(8 * c)), corr_v);
+                *a = _mm256_mul_ps(_mm256_loadu_ps(acc.add(8 * c)), corr);
             }
-            for (t, &p) in pa.iter().enumerate().take(n) {
-                let pt = _mm256_set1_ps(p);
-                let vp = v.add(offs[t]);
+            for (t, &o) in offs.iter().enumerate().take(n) {
+                let pt = _mm256_set1_ps(*p.add(t));
+                let vp = v.add(o);
                 for (c, a) in av.iter_mut().enumerate().take(nv) {
                     *a = _mm256_fmadd_ps(pt, E::load8(vp.add(8 * c)), *a);
                 }

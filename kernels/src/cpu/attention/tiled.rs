@@ -1,7 +1,16 @@
-//! The tile loop both SIMD attention items share (AVX-512 and AVX2): the item's rows scaled
-//! into scratch, one online-softmax update per row and 16-token tile (the ISA's [`RowKernel`]),
-//! the next tile's K/V prefetched into L2 while the current one is computed, and the rows
-//! normalized into `out` at the end. Scratch holds `rows * (2 * head_dim + 2)` floats.
+//! The tile loops both SIMD attention items share (AVX-512 and AVX2): the item's rows scaled
+//! into scratch, the next tile's K or V prefetched into L2 while the current one is computed,
+//! and the rows normalized into `out` at the end.
+//!
+//! - Several queries (prefill): one online-softmax update per row and 16-token tile (the ISA's
+//!   [`RowKernel::tile_row`]), each K/V tile read once for all the item's rows.
+//! - One query (decode): two passes. All the scores first, one tile and row at a time with no
+//!   dependence between them; then each row's softmax at once; then P·V. The online update
+//!   chains every tile to the one before (a horizontal max, a scalar compare and branch, the
+//!   accumulators rescaled through memory), so a decode's few tiles ran one after the other at
+//!   the chain's latency; here they overlap.
+//!
+//! Scratch holds [`super::scratch_len`] floats.
 
 #![cfg(target_arch = "x86_64")]
 
@@ -10,13 +19,62 @@ use std::arch::x86_64::*;
 use super::{Job, KvLayout, Rows, TILE};
 use crate::cpu::simd::Elem;
 
-/// One row, one tile of `n` (1..=16) tokens: folds the tile into the row's running max `m`,
-/// sum `l` and accumulator `acc` (`hd` values).
+/// An instruction set's steps of attention for one row and one tile of `n` (1..=16) tokens.
 pub(super) trait RowKernel {
+    /// One row's scores against one tile: `s[t] = q · k_t` for t < n. `s` has room for 16;
+    /// what lands in lanes from n on is unspecified.
+    ///
+    /// # Safety
+    /// q holds hd values, s 16; `offs[t] + hd` is inside K for t < n; the CPU has the kernel's
+    /// instruction set.
+    unsafe fn tile_scores<E: Elem, const HD: usize>(
+        q: *const f32,
+        k: *const E,
+        offs: &[usize; TILE],
+        n: usize,
+        hd: usize,
+        s: *mut f32,
+    );
+
+    /// The online softmax's step: folds the scores `s[..n]` into the row's running max `m` and
+    /// sum `l`, turns them into `e^(s[t] - m)` at the new max (0 from n on), and returns the
+    /// factor the row's accumulator must be scaled by.
+    ///
+    /// # Safety
+    /// s holds 16 values; the CPU has the kernel's instruction set.
+    unsafe fn online(s: *mut f32, n: usize, m: &mut f32, l: &mut f32) -> f32;
+
+    /// `s[t] = e^(s[t] - max)` for t < len, the max over those `len` scores; returns the sum of
+    /// the new values. `s` has room for `len` rounded up to 16.
+    ///
+    /// # Safety
+    /// As above; len >= 1.
+    unsafe fn softmax(s: *mut f32, len: usize) -> f32;
+
+    /// `acc = acc * corr + sum of p[t] * v_t` over t < n.
+    ///
+    /// # Safety
+    /// p holds n values, acc hd; `offs[t] + hd` is inside V for t < n; the CPU has the
+    /// kernel's instruction set.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile_pv<E: Elem, const HD: usize>(
+        p: *const f32,
+        v: *const E,
+        offs: &[usize; TILE],
+        n: usize,
+        hd: usize,
+        corr: f32,
+        acc: *mut f32,
+    );
+
+    /// One online update: folds the tile into the row's running max `m`, sum `l` and
+    /// accumulator `acc` (`hd` values).
+    ///
     /// # Safety
     /// q and acc hold hd values; `offs[t] + hd` is inside K and V for t < n; the CPU has the
     /// kernel's instruction set.
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     unsafe fn tile_row<E: Elem, const HD: usize>(
         q: *const f32,
         k: *const E,
@@ -24,9 +82,17 @@ pub(super) trait RowKernel {
         offs: &[usize; TILE],
         n: usize,
         hd: usize,
-        ml: (&mut f32, &mut f32),
+        (m, l): (&mut f32, &mut f32),
         acc: *mut f32,
-    );
+    ) {
+        let mut s = [0.0f32; TILE];
+        // SAFETY: per the caller; s holds 16.
+        unsafe {
+            Self::tile_scores::<E, HD>(q, k, offs, n, hd, s.as_mut_ptr());
+            let corr = Self::online(s.as_mut_ptr(), n, m, l);
+            Self::tile_pv::<E, HD>(s.as_ptr(), v, offs, n, hd, corr, acc);
+        }
+    }
 }
 
 /// Runs one item with row kernel `K`, compiled for head_dim 64 and 128 with the row in
@@ -62,24 +128,20 @@ unsafe fn item_hd<E: Elem, L: KvLayout, K: RowKernel, const HD: usize>(
     scratch: &mut [f32],
 ) {
     let hd = if HD > 0 { HD } else { job.shape.head_dim };
-    let width = job.shape.num_heads * hd;
     let nrows = rows.queries * rows.group;
     let (qs, rest) = scratch.split_at_mut(nrows * hd);
     let (acc, rest) = rest.split_at_mut(nrows * hd);
-    let (ms, ls) = rest.split_at_mut(nrows);
-    for qi in 0..rows.queries {
-        for g in 0..rows.group {
-            let r = qi * rows.group + g;
-            let src = (rows.first_token + qi) * width + (rows.first_head + g) * hd;
-            for (d, s) in qs[r * hd..(r + 1) * hd]
-                .iter_mut()
-                .zip(&job.q[src..src + hd])
-            {
-                *d = s * job.scale;
-            }
-        }
-    }
+    let (ms, rest) = rest.split_at_mut(nrows);
+    let (ls, scores) = rest.split_at_mut(nrows);
+    scaled_queries(job, rows, hd, qs);
     acc.fill(0.0);
+    if rows.queries == 1 {
+        // SAFETY: forwarded from the caller; `scores` is the rest of the scratch
+        // (`super::scratch_len`).
+        unsafe { decode::<E, L, K, HD>(job, layout, kv_head, rows, hd, qs, acc, ls, scores) };
+        write_out(job, rows, hd, acc, ls);
+        return;
+    }
     ms.fill(f32::NEG_INFINITY);
     ls.fill(0.0);
     let max_limit = rows.first_limit + rows.queries - 1;
@@ -120,6 +182,31 @@ unsafe fn item_hd<E: Elem, L: KvLayout, K: RowKernel, const HD: usize>(
         t0 += n;
         std::mem::swap(&mut offs, &mut next);
     }
+    write_out(job, rows, hd, acc, ls);
+}
+
+/// The item's query rows times the softmax scale, row `qi * group + g` at `qs[r * hd..]`.
+#[inline(always)]
+fn scaled_queries<E>(job: &Job<'_, E>, rows: &Rows, hd: usize, qs: &mut [f32]) {
+    let width = job.shape.num_heads * hd;
+    for qi in 0..rows.queries {
+        for g in 0..rows.group {
+            let r = qi * rows.group + g;
+            let src = (rows.first_token + qi) * width + (rows.first_head + g) * hd;
+            for (d, s) in qs[r * hd..(r + 1) * hd]
+                .iter_mut()
+                .zip(&job.q[src..src + hd])
+            {
+                *d = s * job.scale;
+            }
+        }
+    }
+}
+
+/// Each row's accumulator over its softmax sum, into `out`.
+#[inline(always)]
+fn write_out<E>(job: &Job<'_, E>, rows: &Rows, hd: usize, acc: &[f32], ls: &[f32]) {
+    let width = job.shape.num_heads * hd;
     for qi in 0..rows.queries {
         for g in 0..rows.group {
             let r = qi * rows.group + g;
@@ -133,19 +220,88 @@ unsafe fn item_hd<E: Elem, L: KvLayout, K: RowKernel, const HD: usize>(
     }
 }
 
+/// A decode item (one query, `group` rows) in two passes: every score, each row's softmax,
+/// then P·V. Row g's scores are `scores[g * stride..]`, `stride` the context rounded up to a
+/// tile.
+///
+/// # Safety
+/// As for [`item`]; `scores` holds `group * stride` floats.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn decode<E: Elem, L: KvLayout, K: RowKernel, const HD: usize>(
+    job: &Job<'_, E>,
+    layout: &L,
+    kv_head: usize,
+    rows: &Rows,
+    hd: usize,
+    qs: &[f32],
+    acc: &mut [f32],
+    ls: &mut [f32],
+    scores: &mut [f32],
+) {
+    let ctx = rows.first_limit;
+    let stride = ctx.next_multiple_of(TILE);
+    assert!(scores.len() >= rows.group * stride && ctx > 0);
+    // One pass over K (kv = 0: scores) and one over V (kv = 1: P·V), each prefetching its
+    // own next tile.
+    for kv in 0..2 {
+        let base = if kv == 0 {
+            job.k.as_ptr()
+        } else {
+            job.v.as_ptr()
+        };
+        let (mut offs, mut next) = ([0usize; TILE], [0usize; TILE]);
+        layout.offsets(0, TILE.min(ctx), kv_head, &mut offs);
+        let mut t0 = 0;
+        while t0 < ctx {
+            let n = TILE.min(ctx - t0);
+            let n_next = TILE.min(ctx - t0 - n);
+            if n_next > 0 {
+                layout.offsets(t0 + n, n_next, kv_head, &mut next);
+                prefetch(base, &next[..n_next], hd);
+            }
+            for g in 0..rows.group {
+                let s = scores[g * stride + t0..].as_mut_ptr();
+                // SAFETY: q and acc rows are hd long, the row's scores have room for a whole
+                // tile from t0 (stride is a multiple of 16); offsets of tokens < n are inside
+                // K/V per the caller.
+                unsafe {
+                    if kv == 0 {
+                        K::tile_scores::<E, HD>(qs[g * hd..].as_ptr(), base, &offs, n, hd, s);
+                    } else {
+                        K::tile_pv::<E, HD>(s, base, &offs, n, hd, 1.0, acc[g * hd..].as_mut_ptr());
+                    }
+                }
+            }
+            t0 += n;
+            std::mem::swap(&mut offs, &mut next);
+        }
+        if kv == 0 {
+            for (g, l) in ls.iter_mut().enumerate().take(rows.group) {
+                // SAFETY: the row's `ctx` scores, with room to the next multiple of 16.
+                *l = unsafe { K::softmax(scores[g * stride..].as_mut_ptr(), ctx) };
+            }
+        }
+    }
+}
+
 /// Prefetches the K and V vectors (`hd` values each) at `offs` into L2. (Into L1, a tile's
 /// 128 lines would queue behind L1's few fill buffers; L2 tracks many more misses.)
 #[inline(always)]
 fn prefetch_tile<E: Elem>(k: *const E, v: *const E, offs: &[usize], hd: usize) {
+    prefetch(k, offs, hd);
+    prefetch(v, offs, hd);
+}
+
+/// Prefetches the vectors (`hd` values each) at `offs` of `base` into L2.
+#[inline(always)]
+fn prefetch<E: Elem>(base: *const E, offs: &[usize], hd: usize) {
     let per_line = 64 / std::mem::size_of::<E>();
     for &o in offs {
         for d in (0..hd).step_by(per_line) {
             // SAFETY: prefetches never fault; wrapping_add keeps the address computation
             // defined even if it were out of bounds (it is not: offsets are checked).
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T1>(k.wrapping_add(o + d).cast());
-                _mm_prefetch::<_MM_HINT_T1>(v.wrapping_add(o + d).cast());
-            }
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(o + d).cast()) };
         }
     }
 }
