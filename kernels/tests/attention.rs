@@ -2,9 +2,10 @@
 //! contiguous arrays and runs softmax(q k^T * scale) v in f64.
 //!
 //! Covered: block sizes 1, 16, 32 (and 3, 5); context lengths that are not multiples of the
-//! block size; GQA ratios 1, 3, 4; batches mixing decodes, full prefills and prefill chunks over
-//! a cached prefix; shuffled, non-contiguous block tables; f32, f16 and bf16 pools; head_dim 64,
-//! 128, 32 and 8 (the last two take the generic and portable paths).
+//! block size, and decodes whose context is a whole number of 16-token tiles; GQA ratios 1, 3,
+//! 4; batches mixing decodes, full prefills and prefill chunks over a cached prefix (a last
+//! chunk of one query among them); shuffled, non-contiguous block tables; f32, f16 and bf16
+//! pools; head_dim 64, 128, 32 and 8 (the last two take the generic and portable paths).
 //!
 //! Tolerances: 1e-5 of the output's magnitude against a reference built from the values the
 //! pool actually stores (so f16/bf16 pools are held to the same 1e-5: only accumulation order
@@ -257,6 +258,26 @@ fn long_prefill_chunk_over_cached_prefix() {
     ];
     check(3, shape(9, 3, 64, 16), &specs);
     check(4, shape(8, 2, 64, 32), &specs);
+}
+
+#[test]
+fn decodes_at_whole_tiles_and_one_query_chunks() {
+    // Decodes whose context ends on a tile (no partial tile), and prefills whose last chunk of
+    // queries is a single query (it takes the decode's two-pass path).
+    let spec = |context_len, query_len| SeqSpec {
+        context_len,
+        query_len,
+    };
+    let specs = [
+        spec(16, 1),
+        spec(32, 1),
+        spec(48, 1),
+        spec(17, 17),
+        spec(40, 33),
+        spec(2, 1),
+    ];
+    check(9, shape(9, 3, 64, 16), &specs);
+    check(10, shape(6, 2, 128, 5), &specs);
 }
 
 #[test]

@@ -5,9 +5,11 @@
 //! (sequence, kv head, chunk of up to `QUERY_CHUNK` queries); an item's rows are every query
 //! head of the group for every query of the chunk, so each K/V vector it loads serves
 //! `group * queries` rows from L1. The item walks the context in tiles of 16 tokens. A tile's
-//! addresses come from the block table (so tiles are independent of the block size), and each
-//! row keeps an online softmax (running max `m`, sum `l`, output accumulator) that it updates
-//! once per tile. The next tile's K/V lines are prefetched while the current one is computed
+//! addresses come from the block table (so tiles are independent of the block size). With
+//! several queries, each row keeps an online softmax (running max `m`, sum `l`, output
+//! accumulator) that it updates once per tile. A decode item (one query) takes two passes in the
+//! SIMD kernels instead: every score, each row's softmax, then P·V, so that its tiles do not wait
+//! on each other. The next tile's K/V lines are prefetched while the current one is computed
 //! (the next block is anywhere in the pool). Query j of a sequence sits at position `context_len - query_len + j` and sees
 //! positions `0..=` its own (causal). Items run in parallel on the kernels' thread pool.
 //!
@@ -121,7 +123,8 @@ pub(crate) struct Rows {
 }
 
 thread_local! {
-    /// Per-thread softmax state (scaled q, accumulators, m, l), reused across calls.
+    /// Per-thread item state (scaled q, accumulators, m, l, and a decode's scores), reused
+    /// across calls.
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -269,8 +272,8 @@ fn check_batch(q: &CpuTensor, shape: AttnShape, seqs: impl Iterator<Item = (usiz
         block_size,
     } = shape;
     assert!(
-        num_kv_heads > 0 && block_size > 0,
-        "attention: zero kv heads or block size"
+        num_kv_heads > 0 && block_size > 0 && head_dim > 0,
+        "attention: zero kv heads, head dim or block size"
     );
     assert_eq!(
         num_heads % num_kv_heads,
@@ -292,11 +295,11 @@ fn check_batch(q: &CpuTensor, shape: AttnShape, seqs: impl Iterator<Item = (usiz
 }
 
 /// Scratch floats an item needs: the scaled queries, the accumulators and the softmax state
-/// of its rows, and for a decode (one query) each row's scores over the context, rounded up
-/// to a whole tile.
-fn scratch_len(rows: &Rows, hd: usize) -> usize {
+/// of its rows, and for a decode (one query) on the SIMD kernels each row's scores over the
+/// context, rounded up to a whole tile.
+fn scratch_len(isa: Isa, rows: &Rows, hd: usize) -> usize {
     let n = rows.queries * rows.group;
-    let scores = if rows.queries == 1 {
+    let scores = if rows.queries == 1 && simd_item(isa, hd).is_some() {
         n * rows.first_limit.next_multiple_of(TILE)
     } else {
         0
@@ -338,7 +341,7 @@ fn run<E: Elem, L: KvLayout>(
         let lay = layout(it.seq);
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
-            let need = scratch_len(&rows, job.shape.head_dim);
+            let need = scratch_len(isa, &rows, job.shape.head_dim);
             if s.len() < need {
                 s.resize(need, 0.0);
             }
@@ -358,6 +361,18 @@ fn run<E: Elem, L: KvLayout>(
     }
 }
 
+/// The SIMD kernel that runs an item of head dim `hd` on `isa`, if any (else the portable one).
+fn simd_item(isa: Isa, hd: usize) -> Option<Isa> {
+    #[cfg(target_arch = "x86_64")]
+    if isa.avx512() && hd.is_multiple_of(16) && hd <= 256 {
+        return Some(Isa::Avx512);
+    } else if isa == Isa::Avx2 && hd.is_multiple_of(8) && hd <= 256 {
+        return Some(Isa::Avx2);
+    }
+    let _ = (isa, hd);
+    None
+}
+
 fn run_item<E: Elem, L: KvLayout>(
     isa: Isa,
     job: &Job<'_, E>,
@@ -366,21 +381,17 @@ fn run_item<E: Elem, L: KvLayout>(
     rows: &Rows,
     scratch: &mut [f32],
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if isa.avx512() && job.shape.head_dim.is_multiple_of(16) && job.shape.head_dim <= 256 {
-        // SAFETY: Isa::Avx512 is only detected on CPUs with AVX-512F/FMA/F16C; the batch was
-        // checked (rows inside q and out, block tables inside the pool, K/V long enough), and
-        // each item writes only its own (query rows, heads) of out.
-        unsafe { avx512::item(job, layout, kv_head, rows, scratch) };
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && job.shape.head_dim.is_multiple_of(8) && job.shape.head_dim <= 256 {
+    match simd_item(isa, job.shape.head_dim) {
+        // SAFETY: Isa::Avx512 is only detected on CPUs with AVX-512F/FMA/F16C (and
+        // `Isa::avx512` holds for every ISA above it); the batch was checked (rows inside q and
+        // out, block tables inside the pool, K/V long enough), and each item writes only its
+        // own (query rows, heads) of out.
+        #[cfg(target_arch = "x86_64")]
+        Some(Isa::Avx512) => unsafe { avx512::item(job, layout, kv_head, rows, scratch) },
         // SAFETY: Isa::Avx2 is only detected on CPUs with AVX2/FMA/F16C; the rest as above.
-        unsafe { avx2::item(job, layout, kv_head, rows, scratch) };
-        return;
+        #[cfg(target_arch = "x86_64")]
+        Some(Isa::Avx2) => unsafe { avx2::item(job, layout, kv_head, rows, scratch) },
+        // SAFETY: as above, without the ISA requirement.
+        _ => unsafe { portable::item(job, layout, kv_head, rows, scratch) },
     }
-    let _ = isa;
-    // SAFETY: as above, without the ISA requirement.
-    unsafe { portable::item(job, layout, kv_head, rows, scratch) };
 }

@@ -1,5 +1,5 @@
-//! Portable attention item: the same tiles and online softmax as the AVX-512 version, in plain
-//! scalar Rust (one row at a time).
+//! Portable attention item: the same tiles and online softmax as the SIMD versions' prefill
+//! path (which decodes take too here), in plain scalar Rust (one row at a time).
 
 use super::{Job, KvLayout, Rows, TILE};
 use crate::cpu::simd::Elem;

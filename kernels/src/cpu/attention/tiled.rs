@@ -19,7 +19,8 @@ use std::arch::x86_64::*;
 use super::{Job, KvLayout, Rows, TILE};
 use crate::cpu::simd::Elem;
 
-/// An instruction set's steps of attention for one row and one tile of `n` (1..=16) tokens.
+/// An instruction set's steps of attention for one row: on one tile of `n` (1..=16) tokens,
+/// or (the softmax) on a decode's whole row of scores.
 pub(super) trait RowKernel {
     /// One row's scores against one tile: `s[t] = q · k_t` for t < n. `s` has room for 16;
     /// what lands in lanes from n on is unspecified.
@@ -48,7 +49,8 @@ pub(super) trait RowKernel {
     /// the new values. `s` has room for `len` rounded up to 16.
     ///
     /// # Safety
-    /// As above; len >= 1.
+    /// s holds `len` (at least 1) values, with room to the next multiple of 16; the CPU has
+    /// the kernel's instruction set.
     unsafe fn softmax(s: *mut f32, len: usize) -> f32;
 
     /// `acc = acc * corr + sum of p[t] * v_t` over t < n.
@@ -277,6 +279,9 @@ unsafe fn decode<E: Elem, L: KvLayout, K: RowKernel, const HD: usize>(
             std::mem::swap(&mut offs, &mut next);
         }
         if kv == 0 {
+            // The V pass's first tile, while the rows' softmax runs.
+            layout.offsets(0, TILE.min(ctx), kv_head, &mut offs);
+            prefetch(job.v.as_ptr(), &offs[..TILE.min(ctx)], hd);
             for (g, l) in ls.iter_mut().enumerate().take(rows.group) {
                 // SAFETY: the row's `ctx` scores, with room to the next multiple of 16.
                 *l = unsafe { K::softmax(scores[g * stride..].as_mut_ptr(), ctx) };
