@@ -147,15 +147,6 @@ impl Candidate {
         }
         new_blocks.saturating_sub(self.free_blocks) as f64 / new_blocks as f64
     }
-
-    /// What computing `tokens` prompt tokens here costs, in seconds, as the `prefix` policy
-    /// counts it: once for the request, once for each request beside it ([`Self::beside`]), and
-    /// once more for the share of its new blocks that evicts cached prefixes.
-    pub fn prefill_cost(&self, tokens: usize, block: usize) -> f64 {
-        tokens as f64
-            * self.secs_per_token
-            * (1.0 + self.beside() + self.evicting_share(tokens, block))
-    }
 }
 
 /// The choice and its reason.

@@ -348,20 +348,19 @@ pub fn best_peer(
 /// yet, or it has not reached them), with that run's length. Only when:
 /// - the run is at least [`PEER_MIN_GAIN_BLOCKS`] longer than what `chosen` caches or is
 ///   computing itself;
-/// - that engine's wait, before which it will not have computed them, is no longer than
-///   computing the extra blocks at `chosen` would cost (at its rate, for the request, for each
-///   one in flight there, and for the cached prefixes its new blocks evict, as
-///   [`crate::routing`]'s cost counts a prefill), nor than the time `chosen` waits for a fetch
-///   ([`kvgate_protocol::load::peer_fetch_limit_secs`]).
+/// - that engine's wait, before which it will not have computed them, is within the time
+///   `chosen` waits for a fetch ([`kvgate_protocol::load::peer_fetch_limit_secs`]).
 ///
 /// `chosen` then asks that engine for the blocks, and its answer waits for the step that
-/// computes them.
+/// computes them. The request waits for them rather than have `chosen` compute the prompt a
+/// second time, even where that recompute would end sooner: the wait delays this request
+/// alone, within the limit, while a recompute takes `chosen`'s compute from every request in
+/// flight there and keeps a second copy of the prefix in the fleet's caches.
 pub fn computing_peer(
     index: &PrefixIndex,
     hashes: &[kvgate_protocol::BlockHash],
     candidates: &[Candidate],
     chosen: &Candidate,
-    block_size: u32,
 ) -> Option<(usize, u32)> {
     let all = candidates.iter().fold(0u64, |m, c| m | (1 << c.slot));
     if all == 1 << chosen.slot {
@@ -369,7 +368,6 @@ pub fn computing_peer(
     }
     let runs = index.longest_routed(hashes, all);
     let own = chosen.matched_blocks.max(runs[chosen.slot]);
-    let block = block_size as usize;
     candidates
         .iter()
         .filter(|c| c.slot != chosen.slot)
@@ -380,8 +378,7 @@ pub fn computing_peer(
                 return None;
             }
             let limit = kvgate_protocol::load::peer_fetch_limit_secs(gain);
-            let recompute = chosen.prefill_cost(gain * block, block);
-            (c.wait_secs <= recompute.min(limit)).then_some((c.slot, n, c.wait_secs))
+            (c.wait_secs <= limit).then_some((c.slot, n, c.wait_secs))
         })
         .max_by(|a, b| a.1.cmp(&b.1).then(b.2.total_cmp(&a.2)))
         .map(|(slot, n, _)| (slot, n))
@@ -397,7 +394,7 @@ impl Registry {
     ) -> Option<Arc<Engine>> {
         let chosen = candidates.iter().find(|c| c.slot == chosen)?;
         let index = self.index.read().unwrap_or_else(|p| p.into_inner());
-        let (slot, _) = computing_peer(&index, req.hashes, candidates, chosen, req.block_size)?;
+        let (slot, _) = computing_peer(&index, req.hashes, candidates, chosen)?;
         drop(index);
         self.all().into_iter().find(|e| e.slot == slot)
     }
@@ -702,7 +699,7 @@ mod tests {
     }
 
     #[test]
-    fn an_engine_computing_the_prefix_is_named_when_its_wait_is_shorter_than_a_recompute() {
+    fn an_engine_computing_the_prefix_is_named_while_its_wait_is_within_the_fetch_limit() {
         let (registry, engines, hashes) = fleet(3, &[]);
         let registry = Arc::new(registry);
         let req = RouteRequest::new(&hashes, 270, "t", &config());
@@ -714,8 +711,7 @@ mod tests {
         };
         // Nothing routed anywhere: no one to ask.
         assert_eq!(name(&c, 0), None);
-        // A request with the whole prompt is in flight on engine 1, which has 0.1 s of queue:
-        // computing the 16 blocks at engine 0 takes 0.256 s.
+        // A request with the whole prompt is in flight on engine 1, which has 0.1 s of queue.
         let routed = registry.route(engines[1].slot, &hashes);
         c[1].wait_secs = 0.1;
         assert_eq!(name(&c, 0).as_deref(), Some("e1"));
@@ -723,21 +719,11 @@ mod tests {
         assert!(registry
             .best_peer(&hashes, engines[0].slot, 0, now_ms())
             .is_none());
-        // Behind 0.3 s of queue it is not worth waiting for, unless engine 0 has two requests in
-        // flight that the recompute would hold up (0.768 s), or its new blocks would evict
-        // cached prefixes (0.512 s with no free block, 0.384 s with half of them free).
-        c[1].wait_secs = 0.3;
+        // Behind 1.2 s of queue, far more than computing the 16 blocks at an idle engine 0 with
+        // free blocks (0.256 s), it is still waited for: within the 1.4 s engine 0 waits for a
+        // fetch of 16 blocks.
+        c[1].wait_secs = 1.2;
         c[0].free_blocks = 16;
-        assert_eq!(name(&c, 0), None);
-        c[0].free_blocks = 8;
-        assert_eq!(name(&c, 0).as_deref(), Some("e1"));
-        c[1].wait_secs = 0.4;
-        assert_eq!(name(&c, 0), None);
-        c[0].free_blocks = 0;
-        assert_eq!(name(&c, 0).as_deref(), Some("e1"));
-        c[0].free_blocks = 16;
-        c[1].wait_secs = 0.3;
-        c[0].inflight = 2;
         assert_eq!(name(&c, 0).as_deref(), Some("e1"));
         // Of two engines computing it, the one with the longer run; on a tie, the shorter wait.
         let part = registry.route(engines[2].slot, &hashes[..8]);
@@ -757,9 +743,12 @@ mod tests {
         // Nor a wait past what the chosen engine waits for a fetch (1.4 s for 16 blocks), however
         // dear the recompute.
         c[0].inflight = 8;
+        c[0].free_blocks = 0;
         c[2].wait_secs = 1.5;
         c[1].wait_secs = 1.5;
         assert_eq!(name(&c, 0), None);
+        c[1].wait_secs = 1.35;
+        assert_eq!(name(&c, 0).as_deref(), Some("e1"));
         c[2].wait_secs = 0.0;
         // Once its requests end, an engine is computing nothing.
         drop((routed, part, whole));
