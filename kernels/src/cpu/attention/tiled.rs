@@ -147,18 +147,8 @@ unsafe fn item_hd<E: Elem, L: KvLayout, K: RowKernel, const HD: usize>(
     ms.fill(f32::NEG_INFINITY);
     ls.fill(0.0);
     let max_limit = rows.first_limit + rows.queries - 1;
-    let (mut offs, mut next) = ([0usize; TILE], [0usize; TILE]);
-    layout.offsets(0, TILE.min(max_limit), kv_head, &mut offs);
-    let mut t0 = 0;
-    while t0 < max_limit {
-        let n = TILE.min(max_limit - t0);
-        // Look up the next tile now and prefetch it: with paging, the next block is anywhere
-        // in the pool, where the hardware prefetcher cannot follow.
-        let n_next = TILE.min(max_limit - t0 - n);
-        if n_next > 0 {
-            layout.offsets(t0 + n, n_next, kv_head, &mut next);
-            prefetch_tile(job.k.as_ptr(), job.v.as_ptr(), &next[..n_next], hd);
-        }
+    let (k, v) = (job.k.as_ptr(), job.v.as_ptr());
+    for (t0, n, offs) in TileWalk::new(layout, kv_head, max_limit, &[k, v], hd) {
         // Query qi sees first_limit + qi tokens; skip those that end before this tile.
         let q_from = (t0 + 1).saturating_sub(rows.first_limit);
         for qi in q_from..rows.queries {
@@ -170,8 +160,8 @@ unsafe fn item_hd<E: Elem, L: KvLayout, K: RowKernel, const HD: usize>(
                 unsafe {
                     K::tile_row::<E, HD>(
                         qs[r * hd..].as_ptr(),
-                        job.k.as_ptr(),
-                        job.v.as_ptr(),
+                        k,
+                        v,
                         &offs,
                         nq,
                         hd,
@@ -181,8 +171,6 @@ unsafe fn item_hd<E: Elem, L: KvLayout, K: RowKernel, const HD: usize>(
                 };
             }
         }
-        t0 += n;
-        std::mem::swap(&mut offs, &mut next);
     }
     write_out(job, rows, hd, acc, ls);
 }
@@ -244,61 +232,98 @@ unsafe fn decode<E: Elem, L: KvLayout, K: RowKernel, const HD: usize>(
     let ctx = rows.first_limit;
     let stride = ctx.next_multiple_of(TILE);
     assert!(scores.len() >= rows.group * stride && ctx > 0);
-    // One pass over K (kv = 0: scores) and one over V (kv = 1: P·V), each prefetching its
-    // own next tile.
-    for kv in 0..2 {
-        let base = if kv == 0 {
-            job.k.as_ptr()
-        } else {
-            job.v.as_ptr()
-        };
-        let (mut offs, mut next) = ([0usize; TILE], [0usize; TILE]);
-        layout.offsets(0, TILE.min(ctx), kv_head, &mut offs);
-        let mut t0 = 0;
-        while t0 < ctx {
-            let n = TILE.min(ctx - t0);
-            let n_next = TILE.min(ctx - t0 - n);
-            if n_next > 0 {
-                layout.offsets(t0 + n, n_next, kv_head, &mut next);
-                prefetch(base, &next[..n_next], hd);
-            }
-            for g in 0..rows.group {
+    let (k, v) = (job.k.as_ptr(), job.v.as_ptr());
+    for (t0, n, offs) in TileWalk::new(layout, kv_head, ctx, &[k], hd) {
+        for g in 0..rows.group {
+            // SAFETY: q rows are hd long, the row's scores have room for a whole tile from t0
+            // (stride is a multiple of 16); offsets of tokens < n are inside K per the caller.
+            unsafe {
                 let s = scores[g * stride + t0..].as_mut_ptr();
-                // SAFETY: q and acc rows are hd long, the row's scores have room for a whole
-                // tile from t0 (stride is a multiple of 16); offsets of tokens < n are inside
-                // K/V per the caller.
-                unsafe {
-                    if kv == 0 {
-                        K::tile_scores::<E, HD>(qs[g * hd..].as_ptr(), base, &offs, n, hd, s);
-                    } else {
-                        K::tile_pv::<E, HD>(s, base, &offs, n, hd, 1.0, acc[g * hd..].as_mut_ptr());
-                    }
-                }
+                K::tile_scores::<E, HD>(qs[g * hd..].as_ptr(), k, &offs, n, hd, s);
             }
-            t0 += n;
-            std::mem::swap(&mut offs, &mut next);
         }
-        if kv == 0 {
-            // The V pass's first tile, while the rows' softmax runs.
-            layout.offsets(0, TILE.min(ctx), kv_head, &mut offs);
-            prefetch(job.v.as_ptr(), &offs[..TILE.min(ctx)], hd);
-            for (g, l) in ls.iter_mut().enumerate().take(rows.group) {
-                // SAFETY: the row's `ctx` scores, with room to the next multiple of 16.
-                *l = unsafe { K::softmax(scores[g * stride..].as_mut_ptr(), ctx) };
+    }
+    // Started before the softmax, so that V's first tile is on its way meanwhile.
+    let vs = [v];
+    let v_tiles = TileWalk::new(layout, kv_head, ctx, &vs, hd);
+    for (g, l) in ls.iter_mut().enumerate().take(rows.group) {
+        // SAFETY: the row's `ctx` scores, with room to the next multiple of 16.
+        *l = unsafe { K::softmax(scores[g * stride..].as_mut_ptr(), ctx) };
+    }
+    for (t0, n, offs) in v_tiles {
+        for g in 0..rows.group {
+            // SAFETY: acc rows are hd long, the row's probabilities are its scores' place;
+            // offsets of tokens < n are inside V per the caller.
+            unsafe {
+                let p = scores[g * stride + t0..].as_ptr();
+                K::tile_pv::<E, HD>(p, v, &offs, n, hd, 1.0, acc[g * hd..].as_mut_ptr());
             }
         }
     }
 }
 
-/// Prefetches the K and V vectors (`hd` values each) at `offs` into L2. (Into L1, a tile's
-/// 128 lines would queue behind L1's few fill buffers; L2 tracks many more misses.)
-#[inline(always)]
-fn prefetch_tile<E: Elem>(k: *const E, v: *const E, offs: &[usize], hd: usize) {
-    prefetch(k, offs, hd);
-    prefetch(v, offs, hd);
+/// Walks tokens `0..limit` a tile at a time, yielding each tile's first token, length and
+/// tokens' offsets. Each tile is prefetched from `bases` (K, V or both) one step ahead, the
+/// first on creation: with paging, the next block is anywhere in the pool, where the hardware
+/// prefetcher cannot follow.
+struct TileWalk<'a, L, E> {
+    layout: &'a L,
+    kv_head: usize,
+    limit: usize,
+    bases: &'a [*const E],
+    hd: usize,
+    t0: usize,
+    offs: [usize; TILE],
 }
 
-/// Prefetches the vectors (`hd` values each) at `offs` of `base` into L2.
+impl<'a, L: KvLayout, E: Elem> TileWalk<'a, L, E> {
+    #[inline(always)]
+    fn new(layout: &'a L, kv_head: usize, limit: usize, bases: &'a [*const E], hd: usize) -> Self {
+        let mut walk = TileWalk {
+            layout,
+            kv_head,
+            limit,
+            bases,
+            hd,
+            t0: 0,
+            offs: [0; TILE],
+        };
+        walk.look_up(0);
+        walk
+    }
+
+    /// Looks up the offsets of the tile from `t0` and prefetches it.
+    #[inline(always)]
+    fn look_up(&mut self, t0: usize) {
+        let n = TILE.min(self.limit - t0);
+        if n > 0 {
+            self.layout.offsets(t0, n, self.kv_head, &mut self.offs);
+            for &base in self.bases {
+                prefetch(base, &self.offs[..n], self.hd);
+            }
+        }
+    }
+}
+
+impl<L: KvLayout, E: Elem> Iterator for TileWalk<'_, L, E> {
+    type Item = (usize, usize, [usize; TILE]);
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<Self::Item> {
+        let t0 = self.t0;
+        if t0 >= self.limit {
+            return None;
+        }
+        let n = TILE.min(self.limit - t0);
+        let offs = self.offs;
+        self.t0 = t0 + n;
+        self.look_up(self.t0);
+        Some((t0, n, offs))
+    }
+}
+
+/// Prefetches the vectors (`hd` values each) at `offs` of `base` into L2. (Into L1, a tile's
+/// lines would queue behind L1's few fill buffers; L2 tracks many more misses.)
 #[inline(always)]
 fn prefetch<E: Elem>(base: *const E, offs: &[usize], hd: usize) {
     let per_line = 64 / std::mem::size_of::<E>();
