@@ -65,8 +65,8 @@ pub fn quantized_x_max_rows(isa: Isa) -> usize {
     }
 }
 
-/// Whether quantized weights meet a batch of x rows in tiles of 16 x rows packed once per
-/// call: on the AMX tile unit, or with AVX-512 VNNI over the same layout (`vnni`).
+/// Whether quantized weights meet a batch of x rows 16 weight rows at a time: on the AMX tile
+/// unit (`amx`, x packed once per call in groups of 16), or with AVX-512 VNNI (`vnni`).
 fn int8_tiles(isa: Isa) -> bool {
     isa == Isa::Amx || isa.vnni()
 }
@@ -75,13 +75,24 @@ fn int8_tiles(isa: Isa) -> bool {
 /// single token or two are bound by reading the weights, which the AVX2 kernel does as fast.
 pub const AMX_MIN_ROWS: usize = 4;
 
-/// Whether a quantized matmul of `m` x rows over `B` runs on 16-row tiles (x packed for them).
-fn tiled<B: QDot>(isa: Isa, m: usize) -> bool {
+/// From this many rows, quantized weights run on the VNNI tile kernel where there is no AMX: its
+/// lanes are 16 weight rows, so even two x rows fill them, and two beat the AVX2 kernel
+/// (`quant_batch` in the kernels' matmul bench: 1.1-1.6x at 2 rows; Q4_1 1.6-2.3x at 4).
+pub const VNNI_MIN_ROWS: usize = 2;
+
+/// Whether a quantized matmul of `m` x rows runs on 16-row tiles.
+fn tiled(isa: Isa, m: usize) -> bool {
     if isa == Isa::Amx {
         m >= AMX_MIN_ROWS
     } else {
-        int8_tiles(isa) && m >= B::VNNI_TILE_MIN_ROWS
+        int8_tiles(isa) && m >= VNNI_MIN_ROWS
     }
+}
+
+/// Whether x is packed for those tiles: on the tile unit only (the VNNI kernel broadcasts x
+/// from its quantized blocks).
+fn packs_x(isa: Isa, m: usize) -> bool {
+    isa == Isa::Amx && tiled(isa, m)
 }
 
 /// Most x rows quantized and packed at once on the tile path: a longer prefill runs in slices
@@ -271,7 +282,7 @@ impl<B: QDot> Weights for Quantized<'_, B> {
 
     /// Whole tiles (16 rows of w) per task where the tile kernels run.
     fn task_rows(&self, isa: Isa, m: usize) -> usize {
-        if tiled::<B>(isa, m) {
+        if tiled(isa, m) {
             16
         } else {
             8
@@ -317,7 +328,7 @@ fn run_quant<B: QDot>(isa: Isa, x: &[f32], stamp: Option<u64>, w: &[B], d: Dims,
         return;
     }
     if d.m <= quantized_x_max_rows(isa) && d.k > 0 {
-        quant::with_quantized_x(isa, x, stamp, d.m, d.k, tiled::<B>(isa, d.m), |xq, xp| {
+        quant::with_quantized_x(isa, x, stamp, d.m, d.k, packs_x(isa, d.m), |xq, xp| {
             run(isa, x, &Quantized { w, xq, xp }, d, out)
         });
     } else {

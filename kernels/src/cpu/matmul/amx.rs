@@ -32,8 +32,7 @@ pub(super) const GROUP: usize = 16;
 pub(super) const ROWS: usize = 16;
 
 /// One block (32 values) of a group of 16 x rows, as the tile multiply reads it, with the rows'
-/// scales: `qs[g][4 * r + t]` is value `4g + t` of row `r` (offset by 128 where packed
-/// `unsigned`); rows past the batch are zero.
+/// scales: `qs[g][4 * r + t]` is value `4g + t` of row `r`; rows past the batch are zero.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 pub(crate) struct PackedX {
@@ -51,13 +50,10 @@ impl PackedX {
 }
 
 /// Packs one group of quantized x rows (at most [`GROUP`], `nb` blocks each, row after row in
-/// `xq`) into its `nb` packed blocks `out`; rows past the group's end are zeros. With
-/// `unsigned`, each value is stored as `x ^ 0x80`, which read as an unsigned byte is `x + 128`
-/// (for the VNNI kernel, whose x is `vpdpbusd`'s unsigned operand).
-pub(super) fn pack_group(xq: &[BlockQ8x], nb: usize, unsigned: bool, out: &mut [PackedX]) {
+/// `xq`) into its `nb` packed blocks `out`; rows past the group's end are zeros.
+pub(super) fn pack_group(xq: &[BlockQ8x], nb: usize, out: &mut [PackedX]) {
     let rows = xq.len() / nb.max(1);
     assert!(rows <= GROUP && out.len() == nb);
-    let flip = if unsigned { 0x8080_8080u32 } else { 0 };
     for (b, p) in out.iter_mut().enumerate() {
         for r in 0..GROUP {
             let Some(x) = xq.get(r * nb + b).filter(|_| r < rows) else {
@@ -71,10 +67,7 @@ pub(super) fn pack_group(xq: &[BlockQ8x], nb: usize, unsigned: bool, out: &mut [
             // Four values at a time: value `4g + t` of the row goes to byte `4r + t` of tile
             // row `g`.
             for (g, qrow) in p.qs.iter_mut().enumerate() {
-                let v = u32::from_ne_bytes(std::array::from_fn(|t| x.qs[4 * g + t] as u8)) ^ flip;
-                for (q, byte) in qrow[4 * r..4 * r + 4].iter_mut().zip(v.to_ne_bytes()) {
-                    *q = byte as i8;
-                }
+                qrow[4 * r..4 * r + 4].copy_from_slice(&x.qs[4 * g..4 * g + 4]);
             }
             p.d[r] = x.d;
             p.s[r] = x.s;
@@ -82,14 +75,13 @@ pub(super) fn pack_group(xq: &[BlockQ8x], nb: usize, unsigned: bool, out: &mut [
     }
 }
 
-/// [`SCRATCH`]'s buffers: scales, staged bytes, starting sums.
-pub(super) type Scratch = (Vec<f32>, Vec<u8>, Vec<i32>);
+/// [`SCRATCH`]'s buffers: scales, staged bytes.
+pub(super) type Scratch = (Vec<f32>, Vec<u8>);
 
 thread_local! {
     /// Per thread, for the tile kernels (this one and `vnni`): the 16 weight rows' scales
-    /// `[nb][16]` (d, then m), their staged bytes where a kernel stages them, and (`vnni`)
-    /// each block's starting sum.
-    pub(super) static SCRATCH: RefCell<Scratch> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    /// `[nb][16]` (d, then m) and their staged bytes where a kernel stages them.
+    pub(super) static SCRATCH: RefCell<Scratch> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// The tile configuration: tmm0/tmm1 the 16 x 16 i32 products, tmm2/tmm3 16 weight rows of 32
@@ -124,7 +116,7 @@ impl TileConfig {
     }
 }
 
-/// The operands of a tile kernel (this one, or `vnni`'s): columns `n0..n1` (`n1 - n0` a
+/// The operands of a tile kernel: columns `n0..n1` (`n1 - n0` a
 /// multiple of 16) of `out = x @ w^T`, x packed by [`pack_group`]. `xp` holds `ceil(m / 16) * nb`
 /// packed blocks, `w` holds `n * nb` blocks, and `out` points to `m * n` f32s of which the
 /// kernel may write columns `n0..n1`.
@@ -184,7 +176,7 @@ pub(super) unsafe fn gemm<B: QDot>(t: &Tiles<'_, B>) {
     } = *t;
     let cfg = TileConfig::new();
     SCRATCH.with(|cell| {
-        let (scales, bytes, _) = &mut *cell.borrow_mut();
+        let (scales, bytes) = &mut *cell.borrow_mut();
         scales.resize(2 * nb * ROWS, 0.0);
         // SAFETY (whole block): the shapes per the caller; the tile instructions read and write
         // only the buffers named (tile loads of 16 rows of 32 bytes at the given stride inside
@@ -366,8 +358,7 @@ mod tests {
     #[test]
     fn packing_puts_value_4g_plus_t_of_row_r_at_4r_plus_t_of_tile_row_g() {
         // Packing is plain Rust, so this runs on any x86_64 CPU, AMX or not. 19 rows: one full
-        // group and a partial one whose missing rows must be zeros. Packed `unsigned`, each
-        // value read as an unsigned byte is the value plus 128.
+        // group and a partial one whose missing rows must be zeros.
         let (m, nb) = (19, 2);
         let xq: Vec<BlockQ8x> = (0..m * nb)
             .map(|i| BlockQ8x {
@@ -376,46 +367,41 @@ mod tests {
                 s: -(i as f32),
             })
             .collect();
-        for unsigned in [false, true] {
-            // Stale contents where the packed blocks are reused must not show through.
-            let mut packed = vec![
-                PackedX {
-                    qs: [[-3; 64]; 8],
-                    d: [7.0; GROUP],
-                    s: [9.0; GROUP],
+        // Stale contents where the packed blocks are reused must not show through.
+        let mut packed = vec![
+            PackedX {
+                qs: [[-3; 64]; 8],
+                d: [7.0; GROUP],
+                s: [9.0; GROUP],
+            };
+            2 * nb
+        ];
+        for (g, out) in packed.chunks_mut(nb).enumerate() {
+            let rows = &xq[g * GROUP * nb..((g + 1) * GROUP).min(m) * nb];
+            pack_group(rows, nb, out);
+        }
+        for (g, b) in (0..2).flat_map(|g| (0..nb).map(move |b| (g, b))) {
+            let p = &packed[g * nb + b];
+            for r in 0..GROUP {
+                let row = g * GROUP + r;
+                let (want_d, want_s) = if row < m {
+                    let x = &xq[row * nb + b];
+                    (x.d, x.s)
+                } else {
+                    (0.0, 0.0)
                 };
-                2 * nb
-            ];
-            for (g, out) in packed.chunks_mut(nb).enumerate() {
-                let rows = &xq[g * GROUP * nb..((g + 1) * GROUP).min(m) * nb];
-                pack_group(rows, nb, unsigned, out);
-            }
-            for (g, b) in (0..2).flat_map(|g| (0..nb).map(move |b| (g, b))) {
-                let p = &packed[g * nb + b];
-                for r in 0..GROUP {
-                    let row = g * GROUP + r;
-                    let (want_d, want_s) = if row < m {
-                        let x = &xq[row * nb + b];
-                        (x.d, x.s)
+                assert_eq!(
+                    (p.d[r], p.s[r]),
+                    (want_d, want_s),
+                    "group {g} block {b} row {r}"
+                );
+                for (tile_row, t) in (0..8).flat_map(|gg| (0..4).map(move |t| (gg, t))) {
+                    let got = p.qs[tile_row][4 * r + t];
+                    if row >= m {
+                        assert_eq!(got, 0, "group {g} block {b} row {r}");
                     } else {
-                        (0.0, 0.0)
-                    };
-                    assert_eq!(
-                        (p.d[r], p.s[r]),
-                        (want_d, want_s),
-                        "group {g} block {b} row {r}"
-                    );
-                    for (tile_row, t) in (0..8).flat_map(|gg| (0..4).map(move |t| (gg, t))) {
-                        let got = p.qs[tile_row][4 * r + t];
-                        if row >= m {
-                            assert_eq!(got, 0, "group {g} block {b} row {r}");
-                        } else if unsigned {
-                            let want = xq[row * nb + b].qs[4 * tile_row + t] as i32 + 128;
-                            assert_eq!(got as u8 as i32, want, "group {g} block {b} row {r}");
-                        } else {
-                            let want = xq[row * nb + b].qs[4 * tile_row + t];
-                            assert_eq!(got, want, "group {g} block {b} row {r}");
-                        }
+                        let want = xq[row * nb + b].qs[4 * tile_row + t];
+                        assert_eq!(got, want, "group {g} block {b} row {r}");
                     }
                 }
             }

@@ -8,9 +8,9 @@
 //! - **Decode and small batches** (`avx2`): with AVX2 a block's 32 products are one
 //!   `vpmaddubsw` (u8 x i8 pairs to i16) and one `vpmaddwd` (to eight i32), or one `vpdpbusd`
 //!   with AVX-512 VNNI; Q8_0's signed weights move their sign onto x first (`vpsignb`).
-//! - **Batches and prefill on 16-row tiles**: x is also packed in groups of 16 rows, and 16
-//!   weight rows at a time meet each group, on the AMX tile unit (`amx`) or, without it, with
-//!   AVX-512 VNNI's 16 lanes as the group's rows (`vnni`).
+//! - **Batches and prefill on 16-row tiles**: 16 weight rows at a time meet the x rows, on the
+//!   AMX tile unit (`amx`, x also packed in groups of 16 rows) or, without it, with AVX-512
+//!   VNNI, a vector's 16 lanes the tile's rows and x broadcast (`vnni`).
 //! - **Prefill elsewhere** (more than `QUANT_GEMV_MAX_ROWS` rows, no tiles): compute-bound, so
 //!   the weights are widened to f32 while the AVX2 GEMM packs its panels (once per call, then
 //!   used by every x row) and x stays f32.
@@ -205,14 +205,6 @@ pub(crate) trait QDot: QuantBlock {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     const HAS_OFFSET: bool;
 
-    /// From this many x rows the VNNI tile kernel (`vnni`) runs where there is no AMX. Its 16
-    /// lanes are 16 x rows, so a small batch leaves most of them idle; below this the AVX2
-    /// staged kernel, whose lanes hold a block's values, does more (`quant_batch` in the
-    /// kernels' matmul bench: the tiles lead from 4 rows for Q8_0, whose weights they read
-    /// where they lie, and from 8 for Q4_1, whose tiles also pay for unpacking the nibbles of
-    /// 16 weight rows).
-    const VNNI_TILE_MIN_ROWS: usize;
-
     /// `[d, m, 0, 0]` widened (m = 0 for Q8_0).
     ///
     /// # Safety
@@ -273,6 +265,16 @@ pub(crate) trait QDot: QuantBlock {
     /// CPU must support AVX-512F (and so F16C).
     #[cfg(target_arch = "x86_64")]
     unsafe fn tile_scales(w: *const Self, nb: usize, dw: *mut f32, mw: *mut f32);
+
+    /// 16 rows of `nb` blocks at `w` staged for the VNNI tile kernel (`vnni::gemm_lanes`):
+    /// block b's vector t, at `out + b * 512 + t * 64`, holds values `4t..4t + 4` of rows 0..16
+    /// in turn, as unsigned bytes: Q4_1's nibbles as they are, Q8_0's values plus 128.
+    ///
+    /// # Safety
+    /// `w` must point to 16 rows of `nb` blocks and `out` to `512 * nb` writable bytes; the CPU
+    /// must support AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn stage_lanes(w: *const Self, nb: usize, out: *mut u8);
 }
 
 /// [`QDot::tile_scales`] for blocks of `size` bytes that begin with their f16 `d` (and, with
@@ -318,8 +320,6 @@ impl QDot for BlockQ8_0 {
     }
 
     const HAS_OFFSET: bool = false;
-
-    const VNNI_TILE_MIN_ROWS: usize = 4;
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -386,6 +386,32 @@ impl QDot for BlockQ8_0 {
         // SAFETY: per the caller; `d` leads the 34-byte block.
         unsafe { gather_scales(w.cast(), std::mem::size_of::<Self>(), nb, dw, None) }
     }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn stage_lanes(w: *const Self, nb: usize, out: *mut u8) {
+        use std::arch::x86_64::*;
+        const {
+            assert!(std::mem::offset_of!(BlockQ8_0, qs) == 2);
+        };
+        let stride = nb * std::mem::size_of::<Self>();
+        // SAFETY: per the caller: 32 bytes of qs in each row's block b, the stores inside block
+        // b's 512 bytes of `out`; AVX-512F per the caller. `w ^ 0x80` read unsigned is w + 128.
+        unsafe {
+            let flip = _mm512_set1_epi8(-128);
+            for b in 0..nb {
+                let qs = w.add(b).cast::<u8>().add(2);
+                let block = out.add(b * super::vnni::STAGED_BLOCK);
+                for half in 0..2 {
+                    let dwords = super::vnni::dwords16(qs.add(16 * half), stride);
+                    for (t, v) in dwords.into_iter().enumerate() {
+                        let at = block.add((4 * half + t) * 64);
+                        _mm512_storeu_si512(at.cast(), _mm512_xor_si512(v, flip));
+                    }
+                }
+            }
+        }
+    }
 }
 
 impl QDot for BlockQ4_1 {
@@ -400,8 +426,6 @@ impl QDot for BlockQ4_1 {
     }
 
     const HAS_OFFSET: bool = true;
-
-    const VNNI_TILE_MIN_ROWS: usize = 8;
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -487,6 +511,32 @@ impl QDot for BlockQ4_1 {
         };
         // SAFETY: per the caller; `d`, then `m`, lead the 20-byte block.
         unsafe { gather_scales(w.cast(), std::mem::size_of::<Self>(), nb, dw, Some(mw)) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn stage_lanes(w: *const Self, nb: usize, out: *mut u8) {
+        use std::arch::x86_64::*;
+        const {
+            assert!(std::mem::offset_of!(BlockQ4_1, qs) == 4);
+        };
+        let stride = nb * std::mem::size_of::<Self>();
+        // SAFETY: per the caller: 16 bytes of qs in each row's block b, the stores inside block
+        // b's 512 bytes of `out`; AVX-512F per the caller. Byte i of qs holds value i (low
+        // nibble) and value i + 16 (high nibble), so dword t (t < 4) of the 16 rows gives vector
+        // t from its low nibbles and vector t + 4 from its high ones.
+        unsafe {
+            let low = _mm512_set1_epi8(15);
+            for b in 0..nb {
+                let dwords = super::vnni::dwords16(w.add(b).cast::<u8>().add(4), stride);
+                let block = out.add(b * super::vnni::STAGED_BLOCK);
+                for (t, v) in dwords.into_iter().enumerate() {
+                    _mm512_storeu_si512(block.add(t * 64).cast(), _mm512_and_si512(v, low));
+                    let high = _mm512_and_si512(_mm512_srli_epi32::<4>(v), low);
+                    _mm512_storeu_si512(block.add((t + 4) * 64).cast(), high);
+                }
+            }
+        }
     }
 }
 
@@ -577,8 +627,6 @@ pub(super) fn with_quantized_x<R>(
                 let mut xp = cell.borrow_mut();
                 let packed_groups = if packed { m.div_ceil(X_GROUP) } else { 0 };
                 xp.resize(packed_groups * nb, super::amx::PackedX::ZERO);
-                // The VNNI kernel's x is `vpdpbusd`'s unsigned operand.
-                let unsigned = !on_amx(isa);
                 let mut packs = xp.chunks_mut(nb.max(1));
                 let groups = x
                     .chunks(X_GROUP * k.max(1))
@@ -587,7 +635,7 @@ pub(super) fn with_quantized_x<R>(
                 super::pool().run_parts(groups, |_, (xs, qs, pack)| {
                     quantize_rows(isa, xs, qs);
                     if let Some(pack) = pack {
-                        super::amx::pack_group(qs, nb, unsigned, pack);
+                        super::amx::pack_group(qs, nb, pack);
                     }
                 });
                 HELD.set(held);
@@ -627,13 +675,6 @@ fn quantize_rows(isa: Isa, x: &[f32], out: &mut [BlockQ8x]) {
     }
 }
 
-/// Whether the tile kernels run on the AMX tile unit (x packed signed) rather than with AVX-512
-/// VNNI (x packed unsigned): one test for both the packing and the kernel.
-#[cfg(target_arch = "x86_64")]
-fn on_amx(isa: Isa) -> bool {
-    isa == Isa::Amx
-}
-
 /// x rows packed for the tile kernels.
 #[cfg(target_arch = "x86_64")]
 pub(super) type Packed = super::amx::PackedX;
@@ -661,28 +702,27 @@ pub(super) unsafe fn gemv_range<B: QDot>(
     let nb = d.k / QK;
     assert!(xq.len() >= d.m * nb && w.len() >= d.n * nb);
     #[cfg(target_arch = "x86_64")]
-    if !xp.is_empty() {
-        // x is packed for the tile kernels: whole tiles of 16 weight rows there, the rest as
-        // below.
+    if super::tiled(isa, d.m) {
+        // Whole tiles of 16 weight rows on the tile kernels, the rest as below.
         let tiles = n0 + (n1 - n0) / 16 * 16;
-        // x is only packed (with_quantized_x, as `tiled` decides) for these two.
+        // Tiles only run (`tiled`) on these two.
         assert!(isa == Isa::Amx || isa.vnni());
-        // SAFETY: Isa::Amx is chosen with AVX-512F/BW, AMX-INT8 and its state enabled;
-        // `Isa::vnni` holds with AVX-512F, VNNI and VL, and AVX2/FMA/F16C as on every AVX-512
-        // ISA; shapes per the caller.
+        // SAFETY: Isa::Amx is chosen with AVX-512F/BW, AMX-INT8 and its state enabled (x packed
+        // there: `Tiles` checks); `Isa::vnni` holds with AVX-512F, VNNI and VL, and AVX2/FMA/F16C
+        // as on every AVX-512 ISA; shapes per the caller.
         unsafe {
-            let t = super::amx::Tiles {
-                xp,
-                w,
-                d,
-                n0,
-                n1: tiles,
-                out: out.0,
-            };
-            if on_amx(isa) {
+            if isa == Isa::Amx {
+                let t = super::amx::Tiles {
+                    xp,
+                    w,
+                    d,
+                    n0,
+                    n1: tiles,
+                    out: out.0,
+                };
                 super::amx::gemm(&t);
             } else {
-                super::vnni::gemm(&t);
+                super::vnni::gemm_lanes(xq, w, d, n0, tiles, out.0);
             }
             if tiles < n1 {
                 avx2::range(xq, w, d, tiles, n1, out.0, isa.vnni());

@@ -1,188 +1,242 @@
-//! Quantized weights times a batch of x rows with AVX-512 VNNI, in the AMX kernel's layout
-//! (`amx`), for CPUs with AVX-512 VNNI and no tile unit (Ice Lake, Zen 4, a Sapphire Rapids
-//! whose hypervisor hides AMX).
+//! Quantized weights times a batch of x rows on 16-row tiles with AVX-512 VNNI, for CPUs with
+//! AVX-512 VNNI and no tile unit (Ice Lake, Zen 4, a Sapphire Rapids whose hypervisor hides AMX).
 //!
-//! The x rows are packed as for the tile unit ([`PackedX`]): 16 rows to a group, and in a
-//! block's 64-byte vector `t` the values `4t..4t + 4` of each of the 16 rows. One `vpdpbusd`
-//! of that vector with 4 bytes of a weight row broadcast to all 16 lanes adds those 4 products
-//! for each of the 16 x rows, so 8 of them give one weight row's block dot products with 16 x
-//! rows, exact i32 (in two chains of four, for half the latency); a few float operations then
-//! apply the block's scales to all 16. The AVX2 kernel spends a `vpdpbusd`, a conversion and a
-//! scaled add on each pair of one x row and one weight row: about four times the instructions
-//! for the same multiply-adds.
+//! A vector's 16 lanes are 16 weight rows. A tile of 16 rows is staged once ([`QDot::stage_lanes`])
+//! into 8 vectors per block, vector `t` holding values `4t..4t + 4` of each row as unsigned bytes.
+//! One `vpdpbusd` of vector `t` with 4 bytes of an x row broadcast to all 16 lanes adds those 4
+//! products for each of the 16 rows, so 8 of them give the x row's block dot products with the 16
+//! rows, exact i32; three float operations then apply the block's scales (and Q4_1's offset one
+//! more). The AVX2 kernel spends a `vpdpbusd`, a conversion and a scaled add on each pair of one
+//! x row and one weight row: about four times the instructions for the same multiply-adds.
 //!
 //! `vpdpbusd` multiplies unsigned bytes by signed ones, and only its signed operand may be a
-//! broadcast from memory. So the weights are the signed side, read by each `vpdpbusd` as a
-//! broadcast from memory (no instruction of their own: with a separate broadcast per 4 bytes,
-//! the front end, not the vector ports, was the limit), and x is packed offset by 128
-//! (`x ^ 0x80` is `x + 128` as an unsigned byte). Each sum then starts at `-128 * sum(w)` over
-//! the weight row's block, computed once per 16 rows for every group of x rows: the sums stay
-//! exact.
+//! broadcast from memory, so x is the signed side, as quantized, and each x value is read by the
+//! `vpdpbusd` itself as a broadcast from memory (no instruction of its own). Q4_1's nibbles are
+//! unsigned as they are; Q8_0's values are staged plus 128 (`w ^ 0x80` read unsigned), and each
+//! of its sums starts at `-128 * sum(x)` over the x block, once per x block for every tile.
 //!
-//! Weight rows go 16 at a time, read where they lie (Q8_0) or staged once as bytes for every
-//! group of x rows (Q4_1's nibbles unpacked), as the AMX kernel reads them; the next 16 rows
-//! are prefetched into L2 while the first group runs. The f32 scaling and its order are the
-//! AMX kernel's, so both give the same outputs.
+//! Each x row's 16 outputs come out in one vector and are stored as they are. x needs no packing,
+//! and a batch smaller than 16 fills every lane. The rows' chains are interleaved a step at a
+//! time, so [`PASS`] independent `vpdpbusd` cover each one's latency; the tile's next 16 rows are
+//! prefetched into L2 meanwhile.
+//!
+//! (An earlier kernel had it the other way round: 16 x rows in the lanes, packed offset by 128,
+//! against broadcast weights. Each tile then also paid for its rows' starting sums
+//! `-128 * sum(w)` and a transpose of the outputs, and a batch under 16 left lanes idle. In the
+//! kernels' `quant_batch` bench it ran Q4_1 batches of 32 at about 0.85x this one's speed and of
+//! 8 at about 0.6x; Q8_0 at 32 as fast, at 8 about 0.8x.)
 
 use std::arch::x86_64::*;
+use std::cell::RefCell;
 
-use super::amx::{PackedX, Tiles, GROUP, ROWS, SCRATCH};
-use super::quant::{QDot, MANTISSA_MAGIC as MAGIC};
-use super::NextTile;
+use super::amx::{ROWS, SCRATCH};
+use super::quant::{BlockQ8x, QDot, MANTISSA_MAGIC as MAGIC};
+use super::{Dims, NextTile};
+use crate::quant::QK;
 
-/// Weight rows whose sums stay in registers over all the blocks (16 would spill them).
-const CHUNK: usize = 8;
-const _: () = assert!(ROWS.is_multiple_of(CHUNK));
+/// x rows whose sums stay in registers at once, beside the block's 8 weight vectors.
+const PASS: usize = 8;
 
-/// [`Tiles`] with AVX-512 VNNI; x packed offset by 128 (`pack_group` with `unsigned`).
+/// Bytes of one block of a staged tile: 8 vectors of 64.
+pub(super) const STAGED_BLOCK: usize = 8 * 64;
+
+thread_local! {
+    /// Per thread: each x block's starting sum (the bits of [`MAGIC`], less `128 * sum(x)` for
+    /// signed weights) and `MAGIC * d`, for the rows of the call in progress.
+    static X_TERMS: RefCell<(Vec<i32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Whole 16-row tiles `n0..n1` of `out = x @ w^T`, x quantized (`xq`).
 ///
 /// # Safety
-/// The CPU must have AVX-512F and VNNI, AVX2, FMA and F16C ([`crate::cpu::Isa::vnni`]); the
-/// operands as [`Tiles`] says.
+/// The CPU must have AVX-512F and VNNI, AVX2, FMA and F16C ([`crate::cpu::Isa::vnni`]); `xq`
+/// holds `d.m` rows of `d.k / 32` blocks, `w` at least `n1` rows of them, `n1 - n0` is a
+/// multiple of 16, and `out` points to `d.m * d.n` f32s of which this call may write columns
+/// `n0..n1`.
 #[target_feature(enable = "avx512f,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn gemm<B: QDot>(t: &Tiles<'_, B>) {
-    let nb = t.blocks();
-    let Tiles {
-        xp, w, d, n0, n1, ..
-    } = *t;
-    SCRATCH.with(|cell| {
-        let (scales, bytes, st) = &mut *cell.borrow_mut();
-        scales.resize(2 * nb * ROWS, 0.0);
-        st.resize(nb * ROWS, 0);
-        let mut j = n0;
-        // SAFETY (whole block): rows j..j + 16 of w exist (n1 <= n, a whole tile), the packed
-        // groups per the caller, `scales` sized above, the rows' bytes where `amx_stage` says,
-        // out per the caller; the features per the caller.
-        unsafe {
-            while j < n1 {
-                let wt = w.as_ptr().add(j * nb);
-                let (dw, mw) = scales.split_at_mut(nb * ROWS);
-                B::tile_scales(wt, nb, dw.as_mut_ptr(), mw.as_mut_ptr());
-                // Row r's block b: 32 signed bytes at base + b * step + r * stride (Q8_0's
-                // where they lie, Q4_1's nibbles unpacked).
-                let (base, step, stride) = B::amx_stage(wt, nb, bytes);
-                starts(base, step, stride, nb, st);
-                let tile_bytes = ROWS * nb * std::mem::size_of::<B>();
-                let mut next = NextTile::new(wt, tile_bytes, j + ROWS < n1);
-                for g in 0..d.m.div_ceil(GROUP) {
-                    let xg = xp.as_ptr().add(g * nb);
-                    let mut acc = [_mm512_setzero_ps(); ROWS];
-                    // CHUNK weight rows at a time over all blocks, their sums in registers.
-                    for (c, part) in acc.chunks_exact_mut(CHUNK).enumerate() {
-                        let mut sums = [_mm512_setzero_ps(); CHUNK];
-                        let rows = base.add(c * CHUNK * stride);
-                        for b in 0..nb {
-                            let at = b * ROWS + c * CHUNK;
-                            let (dw, mw, st) = (&dw[at..], &mw[at..], &st[at..]);
-                            let wb = rows.add(b * step);
-                            block::<B>(&*xg.add(b), wb, stride, dw, mw, st, &mut sums);
-                            if g == 0 && c == 0 {
-                                next.keep_up((b + 1) * tile_bytes / nb);
-                            }
-                        }
-                        part.copy_from_slice(&sums);
+pub(super) unsafe fn gemm_lanes<B: QDot>(
+    xq: &[BlockQ8x],
+    w: &[B],
+    d: Dims,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+) {
+    let nb = d.k / QK;
+    assert!((n1 - n0).is_multiple_of(ROWS) && xq.len() >= d.m * nb && w.len() >= n1 * nb);
+    X_TERMS.with(|terms| {
+        let (starts, shifts) = &mut *terms.borrow_mut();
+        x_terms::<B>(&xq[..d.m * nb], starts, shifts);
+        SCRATCH.with(|cell| {
+            let (scales, bytes) = &mut *cell.borrow_mut();
+            scales.resize(2 * nb * ROWS, 0.0);
+            bytes.resize(nb * STAGED_BLOCK, 0);
+            let (dw, mw) = scales.split_at_mut(nb * ROWS);
+            // SAFETY (whole block): rows j..j + 16 of w exist (n1 <= its rows, whole tiles),
+            // x's rows i..i + R exist (the passes stop at d.m), `scales` and `bytes` sized
+            // above, the x terms one per x block, out per the caller; the features per the
+            // caller.
+            unsafe {
+                for j in (n0..n1).step_by(ROWS) {
+                    let wt = w.as_ptr().add(j * nb);
+                    B::tile_scales(wt, nb, dw.as_mut_ptr(), mw.as_mut_ptr());
+                    B::stage_lanes(wt, nb, bytes.as_mut_ptr());
+                    let tile_bytes = ROWS * nb * std::mem::size_of::<B>();
+                    let mut tile = Tile {
+                        nb,
+                        staged: bytes.as_ptr(),
+                        dw: dw.as_ptr(),
+                        mw: mw.as_ptr(),
+                        next: NextTile::new(wt, tile_bytes, j + ROWS < n1),
+                        tile_bytes,
+                    };
+                    let mut i = 0;
+                    while i < d.m {
+                        let at = i * nb;
+                        let x = XRows {
+                            q: xq.as_ptr().add(at),
+                            starts: starts.as_ptr().add(at),
+                            shifts: shifts.as_ptr().add(at),
+                        };
+                        let o = out.add(i * d.n + j);
+                        i += match d.m - i {
+                            PASS.. => tile.pass::<B, PASS>(x, o, d.n),
+                            4.. => tile.pass::<B, 4>(x, o, d.n),
+                            2.. => tile.pass::<B, 2>(x, o, d.n),
+                            _ => tile.pass::<B, 1>(x, o, d.n),
+                        };
                     }
-                    t.store(g, j, &mut acc);
                 }
-                j += ROWS;
             }
-        }
+        });
     });
 }
 
-/// Each of the 16 rows' blocks' starting sum, `st[b * 16 + r]`: the bits of [`MAGIC`] less
-/// `128 * sum(w)` over row r's block b (the offset x brings), row r's block b being 32 signed
-/// bytes at `base + b * step + r * stride`.
+/// Each x block's terms for [`gemm_lanes`]: its starting sum and `MAGIC * d`.
 ///
-/// Eight `vpdpbusd` of the block's 16 rows (two to a vector) with bytes of 1 give 8 partial
-/// sums per row; three rounds of pairwise adds (two permutes and an add per pair of vectors)
-/// fold them to one per row, in row order.
-#[inline(always)]
-unsafe fn starts(base: *const u8, step: usize, stride: usize, nb: usize, st: &mut [i32]) {
-    assert!(st.len() >= nb * ROWS);
-    // SAFETY: per the caller, 16 rows of nb blocks of 32 bytes where the arguments say; `st`
-    // checked above; AVX-512F/VNNI per the caller.
-    unsafe {
-        let ones = _mm512_set1_epi8(1);
-        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        let odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-        let magic = _mm512_set1_epi32(MAGIC.to_bits() as i32);
-        for b in 0..nb {
-            let block = base.add(b * step);
-            // Vector i: rows 2i and 2i + 1, 8 partial sums each.
-            let mut s: [__m512i; 8] = std::array::from_fn(|i| {
-                let lo = _mm256_loadu_si256(block.add(2 * i * stride).cast());
-                let hi = _mm256_loadu_si256(block.add((2 * i + 1) * stride).cast());
-                let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-                _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, v)
-            });
-            // Each round halves the partial sums per row and the vectors: the even lanes of a
-            // pair of vectors plus their odd lanes.
-            let mut n = s.len();
-            while n > 1 {
-                for i in 0..n / 2 {
-                    let (lo, hi) = (s[2 * i], s[2 * i + 1]);
-                    s[i] = _mm512_add_epi32(
-                        _mm512_permutex2var_epi32(lo, even, hi),
-                        _mm512_permutex2var_epi32(lo, odd, hi),
-                    );
-                }
-                n /= 2;
-            }
-            let start = _mm512_sub_epi32(magic, _mm512_slli_epi32::<7>(s[0]));
-            _mm512_storeu_si512(st.as_mut_ptr().add(b * ROWS).cast(), start);
+/// A sum that starts at the bits of the float `MAGIC` (1.5 * 2^23) lands in its mantissa (the
+/// block's sum is below 2^22 in magnitude: at most 32 * 128 * 127), so the float read of the
+/// bits is `MAGIC + sum` exactly, with no conversion. Signed weights, staged plus 128, start
+/// lower by `128 * sum(x)`. `MAGIC * d` is exact in f32 (d has f16's 11 significant bits, 1.5
+/// two), so one fused `p * d - MAGIC * d` gives the sum times d rounded once, as
+/// `(p - MAGIC) * d` does in two operations.
+fn x_terms<B: QDot>(xq: &[BlockQ8x], starts: &mut Vec<i32>, shifts: &mut Vec<f32>) {
+    let magic = MAGIC.to_bits() as i32;
+    starts.clear();
+    shifts.clear();
+    starts.extend(xq.iter().map(|x| {
+        if B::SIGNED {
+            magic - 128 * x.qs.iter().map(|&q| i32::from(q)).sum::<i32>()
+        } else {
+            magic
         }
+    }));
+    shifts.extend(xq.iter().map(|x| MAGIC * x.d));
+}
+
+/// x rows from one row on: their blocks and each block's [`x_terms`], row after row.
+#[derive(Clone, Copy)]
+struct XRows {
+    q: *const BlockQ8x,
+    starts: *const i32,
+    shifts: *const f32,
+}
+
+/// One staged tile of [`gemm_lanes`]: `nb` blocks of 8 vectors at `staged`, the 16 rows' scales
+/// `dw[b * 16 + r]` and offsets `mw`, and the next tile to prefetch.
+struct Tile {
+    nb: usize,
+    staged: *const u8,
+    dw: *const f32,
+    mw: *const f32,
+    next: NextTile,
+    tile_bytes: usize,
+}
+
+impl Tile {
+    /// The tile times `R` x rows: x row i's 16 outputs stored at `out + i * n`. Returns `R`.
+    ///
+    /// # Safety
+    /// AVX-512F/VNNI, FMA; `R` rows at `x`, 16 writable f32s at `out + i * n` for each.
+    #[inline(always)]
+    unsafe fn pass<B: QDot, const R: usize>(&mut self, x: XRows, out: *mut f32, n: usize) -> usize {
+        let nb = self.nb;
+        // SAFETY: per the caller and [`Tile`].
+        unsafe {
+            let mut acc = [_mm512_setzero_ps(); R];
+            for b in 0..nb {
+                let staged = self.staged.add(b * STAGED_BLOCK);
+                let wv: [__m512i; 8] =
+                    std::array::from_fn(|t| _mm512_loadu_si512(staged.add(t * 64).cast()));
+                let at = |i: usize| i * nb + b;
+                let xs: [&BlockQ8x; R] = std::array::from_fn(|i| &*x.q.add(at(i)));
+                let mut p: [__m512i; R] =
+                    std::array::from_fn(|i| _mm512_set1_epi32(*x.starts.add(at(i))));
+                // A step of each row's chain in turn.
+                for (t, w) in wv.iter().enumerate() {
+                    for (p, xb) in p.iter_mut().zip(&xs) {
+                        let q = xb.qs.as_ptr().cast::<i32>().add(t).read_unaligned();
+                        *p = _mm512_dpbusd_epi32(*p, *w, _mm512_set1_epi32(q));
+                    }
+                }
+                let dw = _mm512_loadu_ps(self.dw.add(b * ROWS));
+                for (i, ((a, p), xb)) in acc.iter_mut().zip(p).zip(&xs).enumerate() {
+                    let dot = _mm512_fmsub_ps(
+                        _mm512_castsi512_ps(p),
+                        _mm512_set1_ps(xb.d),
+                        _mm512_set1_ps(*x.shifts.add(at(i))),
+                    );
+                    *a = _mm512_fmadd_ps(dot, dw, *a);
+                }
+                if B::HAS_OFFSET {
+                    let mw = _mm512_loadu_ps(self.mw.add(b * ROWS));
+                    for (a, xb) in acc.iter_mut().zip(&xs) {
+                        *a = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb.s), *a);
+                    }
+                }
+                self.next.keep_up((b + 1) * self.tile_bytes / nb);
+            }
+            for (i, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out.add(i * n), *a);
+            }
+        }
+        R
     }
 }
 
-/// Adds one block's scaled dot products of the [`CHUNK`] weight rows at `wb` (`stride` bytes
-/// apart) with the packed group `x` to `acc` (lanes the group's x rows):
-/// `acc[jj] += p * d_x * d_w[jj]`, plus `m_w[jj] * s_x` for Q4_1.
+/// Dwords `0..4` of 16 rows' 16 bytes at `at + r * stride`: vector `t` holds row r's dword t in
+/// its dword r.
+///
+/// Vector `a` of the loads holds rows `a, a + 4, a + 8, a + 12` in its four 128-bit lanes; a
+/// 4 x 4 transpose of dwords within each lane then puts row `4l + a`'s dword t at dword
+/// `4l + a` of vector t.
+///
+/// # Safety
+/// 16 bytes readable at each `at + r * stride`; AVX-512F.
 #[inline(always)]
-unsafe fn block<B: QDot>(
-    x: &PackedX,
-    wb: *const u8,
-    stride: usize,
-    dw: &[f32],
-    mw: &[f32],
-    st: &[i32],
-    acc: &mut [__m512; CHUNK],
-) {
-    // SAFETY: per `gemm`: CHUNK rows of 32 bytes at `wb`, dw, mw and st at least
-    // CHUNK values; AVX-512 F/VNNI per the caller.
+pub(super) unsafe fn dwords16(at: *const u8, stride: usize) -> [__m512i; 4] {
+    // SAFETY: per the caller.
     unsafe {
-        let magic = _mm512_set1_ps(MAGIC);
-        let dx = _mm512_load_ps(x.d.as_ptr());
-        let sx = _mm512_load_ps(x.s.as_ptr());
-        for (jj, a) in acc.iter_mut().enumerate() {
-            let row = wb.add(jj * stride).cast::<i32>();
-            // Each lane starts at the bits of the float 1.5 * 2^23 (less x's offset times the
-            // weights' sum): the block's sum then lands in its mantissa (it is at most
-            // 32 * 128 * 128 < 2^22 in magnitude; the chains' partial sums may be anything,
-            // i32 adds wrap), so subtracting 1.5 * 2^23 as floats gives it exactly, with no
-            // conversion (which Intel's cores issue on the same port as `vpdpbusd`). Two
-            // chains of four, for half the latency before the scaling.
-            let (mut p, mut q) = (
-                _mm512_set1_epi32(*st.get_unchecked(jj)),
-                _mm512_setzero_si512(),
-            );
-            for t in 0..4 {
-                let (xa, xb) = (
-                    _mm512_load_si512(x.qs[t].as_ptr().cast()),
-                    _mm512_load_si512(x.qs[t + 4].as_ptr().cast()),
-                );
-                p = _mm512_dpbusd_epi32(p, xa, _mm512_set1_epi32(row.add(t).read_unaligned()));
-                q = _mm512_dpbusd_epi32(q, xb, _mm512_set1_epi32(row.add(t + 4).read_unaligned()));
-            }
-            let p = _mm512_add_epi32(p, q);
-            *a = _mm512_fmadd_ps(
-                _mm512_mul_ps(_mm512_sub_ps(_mm512_castsi512_ps(p), magic), dx),
-                _mm512_set1_ps(*dw.get_unchecked(jj)),
-                *a,
-            );
-            if B::HAS_OFFSET {
-                *a = _mm512_fmadd_ps(sx, _mm512_set1_ps(*mw.get_unchecked(jj)), *a);
-            }
-        }
+        let lane = |r: usize| _mm_loadu_si128(at.add(r * stride).cast());
+        let z: [__m512i; 4] = std::array::from_fn(|a| {
+            let v = _mm512_castsi128_si512(lane(a));
+            let v = _mm512_inserti32x4::<1>(v, lane(a + 4));
+            let v = _mm512_inserti32x4::<2>(v, lane(a + 8));
+            _mm512_inserti32x4::<3>(v, lane(a + 12))
+        });
+        let (lo01, lo23) = (
+            _mm512_unpacklo_epi32(z[0], z[1]),
+            _mm512_unpacklo_epi32(z[2], z[3]),
+        );
+        let (hi01, hi23) = (
+            _mm512_unpackhi_epi32(z[0], z[1]),
+            _mm512_unpackhi_epi32(z[2], z[3]),
+        );
+        [
+            _mm512_unpacklo_epi64(lo01, lo23),
+            _mm512_unpackhi_epi64(lo01, lo23),
+            _mm512_unpacklo_epi64(hi01, hi23),
+            _mm512_unpackhi_epi64(hi01, hi23),
+        ]
     }
 }
