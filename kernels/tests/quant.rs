@@ -96,16 +96,18 @@ fn quantized_gemv_matches_the_dequantized_reference() {
                 (8, 9, 96),
                 (32, 20, 576),
                 (QUANT_GEMV_MAX_ROWS, 5, 64),
-                // The tile kernels' shapes (AMX from 4 rows, AVX-512 VNNI from 4 for Q8_0 and
-                // 8 for Q4_1): whole tiles of 16 weight rows and a rest, one and two groups of
-                // 16 x rows, a partial group, an odd block count, either side of the VNNI
-                // thresholds.
+                // The tile kernels' shapes (AMX from 4 rows, AVX-512 VNNI from 2): whole tiles
+                // of 16 weight rows and a rest, one and two groups of 16 x rows (VNNI: passes
+                // of 8 x rows and tails of 4, 2 and 1), a partial group, an odd block count,
+                // either side of the AMX threshold.
                 (4, 48, 64),
                 (5, 16, 96),
                 (6, 32, 96),
                 (7, 48, 160),
                 (8, 32, 96),
+                (10, 33, 96),
                 (12, 48, 160),
+                (15, 40, 160),
                 (17, 40, 576),
                 (33, 35, 1536),
                 (QUANT_GEMV_MAX_ROWS, 64, 96),
@@ -164,7 +166,9 @@ fn extreme_blocks_give_exact_sums_on_every_instruction_set() {
         (6, 17),
         (7, 35),
         (8, 17),
+        (10, 17),
         (12, 35),
+        (15, 35),
         (17, 17),
         (33, 35),
     ] {

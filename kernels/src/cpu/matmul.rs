@@ -55,7 +55,7 @@ pub const QUANT_GEMV_MAX_ROWS: usize = 64;
 /// integer dot products (llama.cpp's arithmetic); beyond, x stays f32 and the weights are
 /// widened. With 16-row tiles ([`int8_tiles`]), every row count: a prefill's tile multiplies
 /// run far ahead of the f32 GEMM (on AMX 16 x 16 x 32 multiply-adds per instruction, with VNNI
-/// 16 x 4 per `vpdpbusd` and the scaling shared by 16 x rows, against 16 per FMA), and
+/// 16 x 4 per `vpdpbusd` and the scaling shared by 16 weight rows, against 16 per FMA), and
 /// quantizing x costs one pass over it.
 pub fn quantized_x_max_rows(isa: Isa) -> usize {
     if int8_tiles(isa) {
@@ -95,9 +95,10 @@ fn packs_x(isa: Isa, m: usize) -> bool {
     isa == Isa::Amx && tiled(isa, m)
 }
 
-/// Most x rows quantized and packed at once on the tile path: a longer prefill runs in slices
-/// of this many rows, so the per-thread buffers of quantized x stay bounded (about 2.5 bytes
-/// per activation value, kept for the thread's next call) whatever the prompt's length.
+/// Most x rows quantized (and, on AMX, packed) at once on the tile path: a longer prefill runs
+/// in slices of this many rows, so the per-thread buffers of quantized x stay bounded (about 1.25
+/// bytes per activation value, 2.5 with AMX's packing, kept for the thread's next call) whatever
+/// the prompt's length.
 const TILE_ROWS_PER_PASS: usize = 512;
 
 /// Weight bytes per GEMV task, beyond one task per thread.
@@ -264,7 +265,7 @@ impl<E: Elem> Weights for [E] {
     }
 }
 
-/// Quantized weights, with x already quantized for the GEMV (and packed for the tile kernels).
+/// Quantized weights, with x already quantized for the GEMV (and packed for the AMX tiles).
 struct Quantized<'a, B> {
     w: &'a [B],
     xq: &'a [quant::BlockQ8x],

@@ -163,7 +163,7 @@ impl<B> Tiles<'_, B> {
     }
 }
 
-/// [`Tiles`] on the AMX tile unit; x packed signed (`pack_group` without `unsigned`).
+/// [`Tiles`] on the AMX tile unit; x packed by [`pack_group`].
 ///
 /// # Safety
 /// The CPU must have AVX-512F/BW and AMX-INT8, with the tile state enabled for this process

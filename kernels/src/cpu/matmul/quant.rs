@@ -244,7 +244,7 @@ pub(crate) trait QDot: QuantBlock {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     const SIGNED: bool;
 
-    /// The 16 rows of `nb` blocks at `w` as the tile kernels read them: block `b` of the 16
+    /// The 16 rows of `nb` blocks at `w` as the AMX tile loads read them: block `b` of the 16
     /// rows is 16 rows of 32 bytes at `base + b * block_step`, `stride` bytes apart. Returns
     /// `(base, block_step, stride)`; formats stored otherwise are unpacked into `bytes`.
     ///
@@ -583,8 +583,8 @@ struct Held {
 }
 
 /// Runs `f` with `x` quantized (`m` rows of `k` values) and, when `packed` is set, also packed
-/// for the tile kernels, into buffers of the calling thread reused across calls. The rows are
-/// quantized and packed in groups of 16 (the tile kernels' x groups), one task per group across
+/// for the AMX tiles, into buffers of the calling thread reused across calls. The rows are
+/// quantized and packed in groups of 16 (the AMX tiles' x groups), one task per group across
 /// the CPU pool when there are several: in a batch of 32 decodes, done on the calling thread
 /// alone while the other threads waited, they were about a tenth of a step.
 ///

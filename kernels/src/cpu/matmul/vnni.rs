@@ -119,7 +119,9 @@ pub(super) unsafe fn gemm_lanes<B: QDot>(
 /// bits is `MAGIC + sum` exactly, with no conversion. Signed weights, staged plus 128, start
 /// lower by `128 * sum(x)`. `MAGIC * d` is exact in f32 (d has f16's 11 significant bits, 1.5
 /// two), so one fused `p * d - MAGIC * d` gives the sum times d rounded once, as
-/// `(p - MAGIC) * d` does in two operations.
+/// `(p - MAGIC) * d` does in two operations, for every finite d. (A block whose values pass
+/// f16's range has an infinite d, and its outputs are NaN here where they are infinite there:
+/// garbage either way.)
 fn x_terms<B: QDot>(xq: &[BlockQ8x], starts: &mut Vec<i32>, shifts: &mut Vec<f32>) {
     let magic = MAGIC.to_bits() as i32;
     starts.clear();
