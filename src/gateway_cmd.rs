@@ -11,6 +11,7 @@ use kvgate_protocol::prompt::PromptRenderer;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 #[derive(Args, Debug)]
 pub struct GatewayArgs {
@@ -83,21 +84,38 @@ fn model_context_tokens(dir: &std::path::Path) -> Option<usize> {
         .and_then(|n| usize::try_from(n).ok())
 }
 
-/// The store named by the config: Redis (schema checked), or in-memory.
+/// How long a gateway that starts while Redis cannot be reached keeps trying: a restart that
+/// lands inside a Redis restart (a few seconds down) comes up when Redis does, rather than exit.
+const STORE_CONNECT_PATIENCE: Duration = Duration::from_secs(30);
+
+/// The store named by the config: Redis (schema checked), or in-memory. Redis that cannot be
+/// reached is tried again, with a growing pause (0.1 s doubling to 2 s), for up to
+/// [`STORE_CONNECT_PATIENCE`]; a malformed URL or an unmigrated keyspace fails at once.
 pub async fn open_store(redis: Option<&str>) -> Result<Arc<dyn Store>> {
-    Ok(match redis {
-        Some(url) => {
-            let store = RedisStore::connect(url)
-                .await
-                .with_context(|| format!("connecting to {}", redact_url(url)))?;
-            store
-                .check_schema()
-                .await
-                .context("run `kvgate migrate --redis URL` first")?;
-            Arc::new(store)
+    let Some(url) = redis else {
+        return Ok(Arc::new(MemoryStore::new()));
+    };
+    redis::Client::open(url).with_context(|| format!("bad redis url {}", redact_url(url)))?;
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(100);
+    let store = loop {
+        match RedisStore::connect(url).await {
+            Ok(store) => break store,
+            Err(e) if started.elapsed() + pause < STORE_CONNECT_PATIENCE => {
+                tracing::warn!(redis = %redact_url(url), error = %e, "cannot reach redis; trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => {
+                return Err(e).with_context(|| format!("connecting to {}", redact_url(url)));
+            }
         }
-        None => Arc::new(MemoryStore::new()),
-    })
+    };
+    store
+        .check_schema()
+        .await
+        .context("run `kvgate migrate --redis URL` first")?;
+    Ok(Arc::new(store))
 }
 
 /// Serves `gw` until SIGTERM or Ctrl-C; requests and streams in flight finish first. The

@@ -50,8 +50,20 @@ impl Drop for Proc {
     }
 }
 
-/// Starts `kvgate gateway` on fresh ports; returns (api port, admin port, process).
+/// Starts `kvgate gateway` on fresh ports and waits until it listens; returns (api port, admin
+/// port, process).
 fn gateway(dir: &std::path::Path, redis: &str, n: usize) -> (u16, u16, Proc) {
+    let (api, admin, proc) = spawn_gateway(dir, redis, n);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while std::net::TcpStream::connect(("127.0.0.1", admin)).is_err() {
+        assert!(Instant::now() < deadline, "gateway {n} did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    (api, admin, proc)
+}
+
+/// Starts `kvgate gateway` on fresh ports; returns (api port, admin port, process) at once.
+fn spawn_gateway(dir: &std::path::Path, redis: &str, n: usize) -> (u16, u16, Proc) {
     let (api, admin) = (free_port(), free_port());
     let path = dir.join(format!("gateway{n}.toml"));
     std::fs::write(
@@ -70,13 +82,38 @@ fn gateway(dir: &std::path::Path, redis: &str, n: usize) -> (u16, u16, Proc) {
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
-    let proc = Proc(child);
-    let deadline = Instant::now() + Duration::from_secs(120);
+    (api, admin, Proc(child))
+}
+
+#[test]
+fn a_gateway_started_while_redis_does_not_answer_comes_up_when_it_does() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    run(&["migrate", "--redis", &url], &[]);
+    let dir = tempfile::tempdir().unwrap();
+    // A frozen server: connections open, nothing answers (as while Redis restarts, or a
+    // network partition heals).
+    redis.pause();
+    let (_, admin, mut g) = spawn_gateway(dir.path(), &url, 1);
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(
+        g.0.try_wait().unwrap().is_none(),
+        "the gateway exited while redis did not answer"
+    );
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", admin)).is_err(),
+        "the gateway listened before its store answered"
+    );
+    redis.resume();
+    let deadline = Instant::now() + Duration::from_secs(30);
     while std::net::TcpStream::connect(("127.0.0.1", admin)).is_err() {
-        assert!(Instant::now() < deadline, "gateway {n} did not start");
+        assert!(
+            g.0.try_wait().unwrap().is_none(),
+            "the gateway exited after redis answered again"
+        );
+        assert!(Instant::now() < deadline, "the gateway did not come up");
         std::thread::sleep(Duration::from_millis(100));
     }
-    (api, admin, proc)
 }
 
 #[test]
