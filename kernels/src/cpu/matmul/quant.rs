@@ -821,6 +821,15 @@ mod tests {
         crate::quant::quantize(&x)
     }
 
+    /// Value `i` of a Q4_1 block: byte i's low nibble, or byte i - 16's high one.
+    fn nibble(blk: &BlockQ4_1, i: usize) -> u8 {
+        if i < QK / 2 {
+            blk.qs[i] & 15
+        } else {
+            blk.qs[i - QK / 2] >> 4
+        }
+    }
+
     #[test]
     fn the_amx_staging_puts_each_weight_and_scale_where_the_tile_loads_read_it() {
         // Staging and scales are plain AVX-512, so this runs on any CPU with AVX-512, AMX or not.
@@ -848,17 +857,45 @@ mod tests {
                     (0..16).flat_map(|r| (0..nb).flat_map(move |b| (0..QK).map(move |i| (r, b, i))))
                 {
                     let blk = &q4[r * nb + b];
-                    let want = if i < QK / 2 {
-                        blk.qs[i] & 15
-                    } else {
-                        blk.qs[i - QK / 2] >> 4
-                    };
-                    assert_eq!(*base.add(b * step + r * stride + i), want);
+                    assert_eq!(*base.add(b * step + r * stride + i), nibble(blk, i));
                     assert_eq!(
                         (dw[b * 16 + r], mw[b * 16 + r]),
                         (blk.d.to_f32(), blk.m.to_f32())
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn the_vnni_staging_puts_value_4t_plus_u_of_row_r_at_byte_4r_plus_u_of_vector_t() {
+        // Staging is plain AVX-512F, so this runs on any CPU with AVX-512, VNNI or not.
+        if !Isa::detect().avx512() {
+            return;
+        }
+        for nb in [1, 3, 18] {
+            // Stale bytes where the buffer is reused must not show through.
+            let mut bytes = vec![0xA5u8; nb * super::super::vnni::STAGED_BLOCK];
+            let q8: Vec<BlockQ8_0> = rows16(nb);
+            let q4: Vec<BlockQ4_1> = rows16(nb);
+            let block = super::super::vnni::STAGED_BLOCK;
+            let at = |b: usize, r: usize, i: usize| b * block + (i / 4) * 64 + 4 * r + i % 4;
+            // SAFETY: 16 rows of nb blocks, 512 * nb bytes; AVX-512F detected above.
+            unsafe { BlockQ8_0::stage_lanes(q8.as_ptr(), nb, bytes.as_mut_ptr()) };
+            for (r, b, i) in
+                (0..16).flat_map(|r| (0..nb).flat_map(move |b| (0..QK).map(move |i| (r, b, i))))
+            {
+                let want = (i32::from(q8[r * nb + b].qs[i]) + 128) as u8;
+                assert_eq!(bytes[at(b, r, i)], want, "q8_0 row {r} block {b} value {i}");
+            }
+            bytes.fill(0xA5);
+            // SAFETY: as above.
+            unsafe { BlockQ4_1::stage_lanes(q4.as_ptr(), nb, bytes.as_mut_ptr()) };
+            for (r, b, i) in
+                (0..16).flat_map(|r| (0..nb).flat_map(move |b| (0..QK).map(move |i| (r, b, i))))
+            {
+                let want = nibble(&q4[r * nb + b], i);
+                assert_eq!(bytes[at(b, r, i)], want, "q4_1 row {r} block {b} value {i}");
             }
         }
     }
