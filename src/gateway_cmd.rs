@@ -1,6 +1,7 @@
 //! `kvgate gateway --config gateway.toml` (the distributed gateway role) and
 //! `kvgate migrate --redis URL` (Redis keyspace migrations).
 
+use crate::backoff::Backoff;
 use crate::model_cmd;
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -89,22 +90,21 @@ fn model_context_tokens(dir: &std::path::Path) -> Option<usize> {
 const STORE_CONNECT_PATIENCE: Duration = Duration::from_secs(30);
 
 /// The store named by the config: Redis (schema checked), or in-memory. Redis that cannot be
-/// reached is tried again, with a growing pause (0.1 s doubling to 2 s), for up to
-/// [`STORE_CONNECT_PATIENCE`]; a malformed URL or an unmigrated keyspace fails at once.
+/// reached is tried again ([`Backoff`]'s pauses) for [`STORE_CONNECT_PATIENCE`]; a malformed URL
+/// or an unmigrated keyspace fails at once.
 pub async fn open_store(redis: Option<&str>) -> Result<Arc<dyn Store>> {
     let Some(url) = redis else {
         return Ok(Arc::new(MemoryStore::new()));
     };
     redis::Client::open(url).with_context(|| format!("bad redis url {}", redact_url(url)))?;
     let started = Instant::now();
-    let mut pause = Duration::from_millis(100);
+    let mut backoff = Backoff::new();
     let store = loop {
         match RedisStore::connect(url).await {
             Ok(store) => break store,
-            Err(e) if started.elapsed() + pause < STORE_CONNECT_PATIENCE => {
+            Err(e) if started.elapsed() < STORE_CONNECT_PATIENCE => {
                 tracing::warn!(redis = %redact_url(url), error = %e, "cannot reach redis; trying again");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(2));
+                backoff.wait().await;
             }
             Err(e) => {
                 return Err(e).with_context(|| format!("connecting to {}", redact_url(url)));

@@ -2,6 +2,7 @@
 
 mod admin_cmd;
 mod assets;
+mod backoff;
 mod bench;
 mod engine_cmd;
 mod gateway_cmd;

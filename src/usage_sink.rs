@@ -14,6 +14,7 @@
 //!
 //! Several sinks may run under one group (each its own `--consumer`): each entry goes to one.
 
+use crate::backoff::Backoff;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use redis::aio::MultiplexedConnection;
@@ -88,20 +89,6 @@ struct Sink {
     conn: Option<MultiplexedConnection>,
     pg: Option<tokio_postgres::Client>,
     written: u64,
-}
-
-/// Waits out a failure: 100 ms doubling to 5 s, reset by a success.
-struct Backoff(Duration);
-
-impl Backoff {
-    fn new() -> Backoff {
-        Backoff(Duration::from_millis(100))
-    }
-
-    async fn wait(&mut self) {
-        tokio::time::sleep(self.0).await;
-        self.0 = (self.0 * 2).min(Duration::from_secs(5));
-    }
 }
 
 async fn timed<T>(what: &str, f: impl std::future::Future<Output = Result<T>>) -> Result<T> {
