@@ -45,8 +45,10 @@ pub struct ServerState {
     pub grammar_gate: crate::sampling::CompileGate,
     pub commands: mpsc::Sender<Command>,
     /// Peers' asks for blocks, which the engine thread answers between steps and between a
-    /// step's layers (each is followed by [`Command::Exports`] on `commands`).
+    /// step's layers (each is followed by [`Command::PeerAsks`] on `commands`).
     pub export_asks: mpsc::Sender<crate::worker::ExportJob>,
+    /// This engine's fetches' asks for what to fetch, answered the same way.
+    pub want_asks: mpsc::Sender<crate::worker::WantJob>,
     /// The engine thread behind `commands`, for `/health`.
     pub engine: EngineThread,
     pub metrics: Arc<Stats>,

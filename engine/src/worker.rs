@@ -120,19 +120,21 @@ pub enum Command {
     /// Write every cached block not on disk yet to the disk tier (a drain, a stop); with `true`,
     /// answer once the disk has them. Replies with the number of blocks written.
     Persist(bool, oneshot::Sender<usize>),
-    /// The blocks of a prompt (in a scope) that a peer could send: its cached run past what every
-    /// tier here holds, as the index of its first block and the hashes.
-    PeerWant(
-        String,
-        Vec<u32>,
-        oneshot::Sender<(usize, Vec<kvgate_protocol::BlockHash>)>,
-    ),
     /// A block a peer sent, checked, for the host tier.
     Import(disk::Frame),
-    /// Answer the exports waiting in the export queue ([`Worker::with_export_queue`]). The
-    /// engine thread also answers them between the layers of a step.
-    Exports,
+    /// Answer what waits in the peer queues ([`Worker::with_peer_queues`]). The engine thread
+    /// also answers it between the layers of a step.
+    PeerAsks,
 }
+
+/// A fetch about to start here: of a prompt (its scope and tokens), the cached run that no tier
+/// here holds, which a peer could send, as the index of its first block and the hashes
+/// ([`crate::kv::KvCacheManager::missing_run`]).
+pub type WantJob = (
+    String,
+    Vec<u32>,
+    oneshot::Sender<(usize, Vec<kvgate_protocol::BlockHash>)>,
+);
 
 /// For a peer: `tokens` hashed in `scope`, the blocks from `from` on, at most `count`, in order,
 /// as far as the device pool and host tier hold them.
@@ -229,6 +231,9 @@ pub struct Worker<B: Backend> {
     compute: String,
     /// Peers' asks for blocks, answered between steps and between a step's layers.
     export_asks: Option<Receiver<ExportJob>>,
+    /// This engine's own fetches' asks for what they should fetch, answered between steps and
+    /// between a step's layers.
+    want_asks: Option<Receiver<WantJob>>,
     /// Asks that wait for blocks this engine is computing, answered after the step that does
     /// (at most one per transfer served at once).
     waiting_exports: Vec<tiers::WaitingAsk>,
@@ -297,6 +302,7 @@ impl<B: Backend> Worker<B> {
             peer: None,
             compute: compute_id(&model.backend().compute_unit()),
             export_asks: None,
+            want_asks: None,
             waiting_exports: Vec::new(),
             model,
         }
@@ -324,11 +330,16 @@ impl<B: Backend> Worker<B> {
         self
     }
 
-    /// Answers peers' asks for blocks from `asks` (each followed by [`Command::Exports`]): between
-    /// steps, and between the layers of a step, so that a transfer need not wait for a long step
-    /// to end.
-    pub fn with_export_queue(mut self, asks: Receiver<ExportJob>) -> Self {
-        self.export_asks = Some(asks);
+    /// Answers peers' asks for blocks from `exports`, and this engine's fetches' asks for what to
+    /// fetch from `wants` (each followed by [`Command::PeerAsks`]): between steps, and between
+    /// the layers of a step, so that neither end of a transfer waits for a long step to end.
+    pub fn with_peer_queues(
+        mut self,
+        exports: Receiver<ExportJob>,
+        wants: Receiver<WantJob>,
+    ) -> Self {
+        self.export_asks = Some(exports);
+        self.want_asks = Some(wants);
         self
     }
 
@@ -409,13 +420,11 @@ impl<B: Backend> Worker<B> {
             Command::Persist(wait, reply) => {
                 let _ = reply.send(self.persist(wait));
             }
-            Command::PeerWant(scope, prompt, reply) => {
-                let scope = self.sched.kv.scope(&scope);
-                let hashed = self.sched.kv.hash_prompt(scope, &prompt);
-                let _ = reply.send(self.sched.kv.missing_run(&hashed));
-            }
             Command::Import(frame) => self.import(frame),
-            Command::Exports => self.serve_exports(),
+            Command::PeerAsks => {
+                self.serve_exports();
+                tiers::serve_wants(&self.sched, self.want_asks.as_ref());
+            }
             Command::Status(reply) => {
                 let _ = reply.send(self.status());
             }
@@ -791,8 +800,12 @@ impl<B: Backend> Worker<B> {
                 // nothing: the prompt they are after may be in the commands taken between steps.
                 let (sched, swap_blocks) = (&self.sched, self.swap_blocks);
                 let waiting = &mut self.waiting_exports;
+                let wants = self.want_asks.as_ref();
                 let mut waited = 0;
                 let logits = self.model.forward_with(&batch, &mut |blocks| {
+                    // A fetch starting here learns what to fetch now, not after the step: its
+                    // blocks can then arrive with its request, by the step's end.
+                    tiers::serve_wants(sched, wants);
                     let new = std::iter::from_fn(|| asks.try_recv().ok().map(tiers::fresh));
                     waited += tiers::serve_exports(
                         sched,

@@ -153,11 +153,11 @@ impl Harness {
 
     /// A peer sends the blocks of a prompt that no tier here holds, as a peer fetch would.
     fn op_import(&mut self) {
-        let scope = self.m.scope(SCOPES[self.rng.gen_range(0..SCOPES.len())]);
+        let name = SCOPES[self.rng.gen_range(0..SCOPES.len())];
+        let scope = self.m.scope(name);
         let tokens = self.random_prompt();
         self.remember_meaning(scope, &tokens);
-        let prompt = self.m.hash_prompt(scope, &tokens);
-        for hash in self.m.missing_run(&prompt).1 {
+        for hash in self.m.missing_run(name, &tokens).1 {
             let prefix = &self.meaning[&hash];
             let data: Vec<Option<u32>> = prefix[prefix.len() - BS..]
                 .iter()

@@ -19,7 +19,7 @@ use crate::routing::prefix::PromptHashes;
 use crate::state::Gateway;
 use crate::store::Admission;
 use crate::upstream::proxy::{self, Forward, StreamEnd};
-use crate::upstream::{now_ms, Engine, RouteRequest, PEER_MIN_GAIN_BLOCKS};
+use crate::upstream::{now_ms, Engine, RouteRequest};
 use crate::usage::{self, Prices};
 use bytes::Bytes;
 use hyper::body::Incoming;
@@ -687,12 +687,21 @@ async fn forward(
             .prompt_tokens
             .saturating_sub(choice.matched_blocks as usize * block) as u64;
         // Another engine holds more of the prefix (the chosen one is less busy, or that one is
-        // draining), or is computing it and will be done before the chosen one could compute
-        // it: the chosen engine is told where to fetch it from.
+        // draining) and sending it costs less than computing it, or one is computing it and
+        // will be done within the chosen engine's fetch limit: the chosen engine is told where
+        // to fetch it from.
+        let chosen = candidates.iter().find(|c| c.slot == choice.slot);
         let peer = gw
             .registry
             .best_peer(&prepared.hashes.hashes, engine.slot, exclude, now)
-            .filter(|(_, n)| *n >= choice.matched_blocks + PEER_MIN_GAIN_BLOCKS)
+            .filter(|(_, n)| {
+                chosen.is_some_and(|c| {
+                    c.fetch_pays(
+                        n.saturating_sub(choice.matched_blocks),
+                        gw.config.block_size,
+                    )
+                })
+            })
             .map(|(peer, _)| peer)
             .or_else(|| gw.registry.computing_peer(&req, &candidates, choice.slot))
             .and_then(|peer| Some((HeaderValue::from_str(&peer.url).ok()?, peer)));

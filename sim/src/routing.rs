@@ -32,9 +32,10 @@
 //! it ([`EngineView`]: the engine's [`LoadReport`], built as the engine's worker builds it, fresh
 //! at every decision; the requests in flight; the prompt tokens routed whose first token has not
 //! come back) to the same [`candidates`] and [`Router::choose`] the gateway calls. When the
-//! gateway would name a peer ([`best_peer`], holding `PEER_MIN_GAIN_BLOCKS` more than the chosen
-//! engine), the request reaches its engine after the transfer (`peer_load_secs_per_block` a
-//! block) and the blocks the peer still holds then are stored there, cached.
+//! gateway would name a peer ([`best_peer`], holding more than the chosen engine, where fetching
+//! that costs less than computing it: [`Candidate::fetch_pays`]), the request reaches its engine
+//! after the transfer (`peer_load_secs_per_block` a block, and one block's more for the ask) and
+//! the blocks the peer still holds then are stored there, cached.
 //!
 //! With `host_blocks > 0` each engine also has a host tier: a second LRU of that many blocks that
 //! takes the device cache's evictions (and drops its own oldest). A request whose cached run
@@ -53,7 +54,7 @@
 use kvgate_gateway::routing::index::{PrefixIndex, MAX_ENGINES};
 use kvgate_gateway::routing::prefix::PromptHasher;
 use kvgate_gateway::routing::{
-    engine_id, Policy, Router, RouterConfig, MAX_PEER_FETCH_BLOCKS, PEER_MIN_GAIN_BLOCKS,
+    engine_id, Candidate, Policy, Router, RouterConfig, MAX_PEER_FETCH_BLOCKS,
 };
 use kvgate_gateway::upstream::{best_peer, candidates, EngineView, Registry, RouteRequest};
 use kvgate_protocol::prompt::{ChatMessage, PromptError, PromptRenderer};
@@ -850,18 +851,16 @@ impl<'a> Simulation<'a> {
         }
         self.sent[i] = self.now;
         self.outstanding += 1;
-        let (slot, matched) = self.choose(r);
+        let (slot, matched, chosen) = self.choose(r);
         let t0 = Instant::now();
-        // As the gateway does: the engine that holds the most of the prefix, when that is
-        // enough more than the chosen one's.
-        let peer = match self.policy {
-            SimPolicy::Router(_) => {
-                let all = self.engines.iter().fold(0u64, |m, e| m | (1 << e.slot));
-                best_peer(&self.index, &r.hashes, all, slot, 0)
-                    .filter(|&(_, n)| n >= matched as u32 + PEER_MIN_GAIN_BLOCKS)
-            }
-            SimPolicy::Oracle => None,
-        };
+        // As the gateway does: the engine that holds the most of the prefix, when fetching the
+        // rest from it costs the chosen one less than computing it.
+        let block_size = trace.config.block_size;
+        let peer = chosen.and_then(|c| {
+            let all = self.engines.iter().fold(0u64, |m, e| m | (1 << e.slot));
+            best_peer(&self.index, &r.hashes, all, slot, 0)
+                .filter(|&(_, n)| c.fetch_pays(n.saturating_sub(matched as u32), block_size))
+        });
         self.decision_ns += t0.elapsed().as_nanos();
         let routed = (r.prompt_tokens as usize).saturating_sub(matched * self.block_size()) as u64;
         self.routed_tokens[i] = routed;
@@ -878,7 +877,7 @@ impl<'a> Simulation<'a> {
         match peer {
             Some((from, n)) => {
                 let blocks = n.saturating_sub(matched as u32).min(MAX_PEER_FETCH_BLOCKS);
-                let at = self.now + f64::from(blocks) * trace.config.peer_load_secs_per_block;
+                let at = self.now + f64::from(blocks + 1) * trace.config.peer_load_secs_per_block;
                 self.peer_fetches += 1;
                 self.schedule(at, Event::Fetched(slot, i, from));
             }
@@ -899,8 +898,8 @@ impl<'a> Simulation<'a> {
     }
 
     /// The engine for `r` and the prefix blocks it is believed to hold, by the policy.
-    fn choose(&mut self, r: &Request) -> (usize, usize) {
-        let (slot, matched, reason) = match self.policy {
+    fn choose(&mut self, r: &Request) -> (usize, usize, Option<Candidate>) {
+        let (slot, matched, reason, chosen) = match self.policy {
             SimPolicy::Router(_) => {
                 let reports: Vec<LoadReport> =
                     self.engines.iter().map(|e| self.report(e)).collect();
@@ -942,7 +941,8 @@ impl<'a> Simulation<'a> {
                 };
                 self.decision_ns += t0.elapsed().as_nanos();
                 let matched = choice.matched_blocks as usize;
-                (choice.slot, matched, choice.reason.as_str())
+                let chosen = candidates.into_iter().find(|c| c.slot == choice.slot);
+                (choice.slot, matched, choice.reason.as_str(), chosen)
             }
             SimPolicy::Oracle => {
                 let t0 = Instant::now();
@@ -971,11 +971,11 @@ impl<'a> Simulation<'a> {
                 } else {
                     "least_loaded"
                 };
-                (slot, matched, reason)
+                (slot, matched, reason, None)
             }
         };
         *self.reasons.entry(reason.to_owned()).or_default() += 1;
-        (slot, matched)
+        (slot, matched, chosen)
     }
 
     /// Request `i`'s prefix has come to engine `slot` from `peer`: the blocks the peer holds
@@ -1791,17 +1791,28 @@ mod tests {
     #[test]
     fn the_gateway_names_peers_and_their_prefixes_arrive_cached() {
         // Round robin sends every tenant everywhere: past a tenant's first requests, an engine
-        // without its prefix is told where to fetch it.
+        // without its prefix is told where to fetch it, at a CPU's prefill rate (a block's
+        // prefill, 8 ms, takes longer than its transfer).
         let mut cfg = small(Some(1 << 20));
         cfg.clients = Some(4);
         cfg.max_seqs = 8;
+        cfg.prefill_tps = 2_000.0;
         let trace = Trace::generate(&cfg);
         let rr = run(&trace, SimPolicy::Router(Policy::RoundRobin), true);
         assert!(rr.peer_fetches > 50, "{}", rr.peer_fetches);
-        assert!(rr.peer_tokens >= rr.peer_fetches * 16 * u64::from(PEER_MIN_GAIN_BLOCKS));
+        assert!(rr.peer_tokens >= rr.peer_fetches * 16);
         // What came over is counted as cached: round robin hits nearly what the oracle does.
         let oracle = run(&trace, SimPolicy::Oracle, true);
         assert_above(rr.hit_rate, 0.9, oracle.hit_rate);
+        // Where a block's prefill (0.06 ms at 256,000 tokens/s) is far cheaper than its
+        // transfer, nothing is fetched.
+        cfg.prefill_tps = 256_000.0;
+        let fast = run(
+            &Trace::generate(&cfg),
+            SimPolicy::Router(Policy::RoundRobin),
+            true,
+        );
+        assert_eq!(fast.peer_fetches, 0);
     }
 
     #[test]

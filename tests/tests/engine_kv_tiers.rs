@@ -378,6 +378,48 @@ fn a_peer_computing_the_prompt_sends_only_what_it_has_computed() {
     assert!(cached >= 600, "only {cached} tokens came from the peer");
 }
 
+/// A taker in the middle of a long step starts a fetch at once: its engine thread says what to
+/// fetch between the layers of that step, not after it, so the blocks come while the step runs
+/// and the request is admitted when it ends, as it would have been without a fetch.
+#[test]
+fn a_taker_busy_with_a_long_step_fetches_while_the_step_runs() {
+    let prompt = tides_prompt(14);
+    let (holder, peer) = holder("max_batched_tokens = 2048");
+    let (want, _) = gated_ask(&holder, "acme", &prompt, &[]);
+    let taker = kvgate_tests::gateway::gated_engine(
+        "blocks = 160\nhost_cache_blocks = 128\n[scheduler]\nmax_batched_tokens = 2048",
+    );
+    // A first step is slow (its memory is touched for the first time): not this one's.
+    gated_ask(&taker, "warm", &tides_prompt(40), &[]);
+    // About 1,650 tokens (103 blocks) in another scope, computed in one step of several
+    // seconds on a CPU.
+    let long = tides_prompt(90);
+    let hint = [("x-kvgate-prefix-peer", peer.as_str())];
+    let (prefill, got, cached) = std::thread::scope(|scope| {
+        let busy = scope.spawn(|| {
+            let started = std::time::Instant::now();
+            gated_answer(&taker, "other", &long, &[], 1);
+            started.elapsed().as_secs_f64()
+        });
+        // Well into that step. Answered only after it, the fetch would wait past its time
+        // limit (1.5 s for 19 blocks) and bring nothing.
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        let (got, cached) = gated_ask(&taker, "acme", &prompt, &hint);
+        (busy.join().unwrap(), got, cached)
+    });
+    assert_eq!(got, want);
+    assert!(cached >= 208, "only {cached} tokens came from the peer");
+    assert_eq!(
+        fetches(&taker, "complete") + fetches(&taker, "partial"),
+        1.0
+    );
+    let fetch = taker.metric("kvgate_kv_tier_load_seconds_total{tier=\"peer\"}");
+    assert!(
+        fetch < prefill / 8.0,
+        "the fetch took {fetch:.3} s beside a {prefill:.3} s prefill"
+    );
+}
+
 /// A request sent to one engine while another computes its prompt copies the whole prompt
 /// once that prefill ends, instead of computing what the holder had not reached when it asked:
 /// it gets as many cached tokens as from a holder that had finished, and the same answer.

@@ -257,4 +257,42 @@ fn tenants_stay_on_their_prefix_balanced_and_isolated() {
     assert_eq!(r.json()["drained"], true, "{}", r.body);
     let r = gw.admin("POST", &format!("/admin/engines/{drained}/undrain"), "");
     assert_eq!(r.json()["draining"], false, "{}", r.body);
+
+    // A gain of a block or two is fetched too. A question of the victim's, asked twice while
+    // its home drained, is answered elsewhere: the first ask finds the system prompt there
+    // (fetched after the drain), the second the question's own blocks as well.
+    let drain = |name: &str, on: bool| {
+        let verb = if on { "drain?wait=30" } else { "undrain" };
+        let r = gw.admin("POST", &format!("/admin/engines/{name}/{verb}"), "");
+        assert_eq!(r.status, 200, "{}", r.body);
+    };
+    drain(&drained, true);
+    let question = "Where is parcel number 7? It left your warehouse last Monday morning, and \
+                    since then its tracking page has shown no update at all. Could you look?";
+    let first = gw.chat(victim_key, Some(victim_sys), question, r#","max_tokens":1"#);
+    let taker = engine_of(&first);
+    let whole = gw.chat(victim_key, Some(victim_sys), question, r#","max_tokens":1"#);
+    assert_eq!(engine_of(&whole), taker, "{}", decisions());
+    let gain = cached(&whole) - cached(&first);
+    assert!(
+        (1..4).contains(&(gain / block)) && cached(&first) >= 272,
+        "the question's own blocks: {} then {} tokens cached",
+        cached(&first),
+        cached(&whole)
+    );
+    // Back from its drain, the home holds the system prompt and not the question. With the
+    // other two draining, the question goes home, which fetches the question's blocks from
+    // the engine that computed them.
+    drain(&drained, false);
+    let third = names
+        .iter()
+        .find(|n| **n != drained && **n != taker)
+        .unwrap();
+    drain(&taker, true);
+    drain(third, true);
+    let r = gw.chat(victim_key, Some(victim_sys), question, r#","max_tokens":1"#);
+    assert_eq!(engine_of(&r), drained);
+    assert_eq!(cached(&r), cached(&whole), "{}", r.body);
+    drain(&taker, false);
+    drain(third, false);
 }

@@ -360,6 +360,34 @@ fn evicted_blocks_demote_to_the_host_tier_and_are_promoted_back() {
 }
 
 #[test]
+fn what_a_peer_could_send_starts_past_every_tier_here_and_registers_no_scope() {
+    let mut m = tiered(4, 8, 0);
+    // Blocks of 4: 13 tokens have three full blocks before the one holding the last token,
+    // which is always computed.
+    let prompt = toks(0..13);
+    let (from, run) = m.missing_run("never", &prompt);
+    assert_eq!((from, run.len()), (0, 3));
+    // Asked between a step's layers, it must not change anything: the scope stays unknown,
+    // and its hashes are those it gets once used.
+    assert!(m.known_scope("never").is_none());
+    let scope = m.scope("never");
+    assert_eq!(run, m.hash_prompt(scope, &prompt).hashes()[..3].to_vec());
+    // Cached in the device pool: nothing is missing.
+    start(&mut m, 1, "a", &prompt);
+    m.free(SeqId(1)).unwrap();
+    assert_eq!(m.missing_run("a", &prompt), (3, Vec::new()));
+    // Demoted to the host tier by another prompt: still held here.
+    start(&mut m, 2, "a", &toks(100..113));
+    assert_eq!(m.usage().host_cached, 3);
+    assert_eq!(m.missing_run("a", &prompt), (3, Vec::new()));
+    // A longer prompt misses the two full blocks past them.
+    let (from, run) = m.missing_run("a", &toks(0..21));
+    assert_eq!((from, run.len()), (3, 2));
+    // Another scope holds none of them.
+    assert_eq!(m.missing_run("b", &prompt).0, 0);
+}
+
+#[test]
 fn host_evictions_spill_to_disk_once_and_load_back() {
     let mut m = tiered(4, 2, 8);
     let prompt = toks(0..13);

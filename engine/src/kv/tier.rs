@@ -494,22 +494,31 @@ impl KvCacheManager {
         Some(slot)
     }
 
-    /// The blocks of a prompt's cached run (from its first block) that no tier here holds:
-    /// what a peer could send, as the index of the first and the hashes. At most half the host
-    /// tier.
-    pub fn missing_run(&self, prompt: &HashedPrompt) -> (usize, Vec<BlockHash>) {
-        let cap = prompt.num_tokens.saturating_sub(1) / self.block_size;
-        let cap = cap.min(prompt.hashes.len());
-        let device = self.cached_prefix_len(prompt);
-        let host = self.host_run_len(prompt, device);
-        let mut from = (device + host).min(cap);
+    /// The blocks of a prompt (its tokens in scope `scope`) whose cached run (from its first
+    /// block) no tier here holds: what a peer could send, as the index of the first and the
+    /// hashes. At most half the host tier. Reads only, so the engine thread answers it between
+    /// the layers of a step too; a scope never used here is hashed without being registered.
+    pub fn missing_run(&self, scope: &str, tokens: &[u32]) -> (usize, Vec<BlockHash>) {
+        let start = match self.known_scope(scope) {
+            Some(id) => self.scope_chains[id.0 as usize],
+            None => self.hasher.start(scope),
+        };
+        // The block holding the last token is always computed.
+        let cap = tokens.len().saturating_sub(1) / self.block_size;
+        let (hashes, _) = self.hasher.extend(start, &tokens[..cap * self.block_size]);
+        let device = self.index.longest_prefix_len(&hashes);
+        let mut from = device
+            + hashes[device..]
+                .iter()
+                .take_while(|h| self.host_tier.contains(**h))
+                .count();
         if let Some(disk) = self.disk_tier.as_ref().filter(|_| self.disk_on()) {
-            from += prompt.hashes[from..cap]
+            from += hashes[from..]
                 .iter()
                 .take_while(|h| disk.contains(**h))
                 .count();
         }
-        let run = prompt.hashes[from..cap]
+        let run = hashes[from..]
             .iter()
             .take(self.host_tier.capacity() / 2)
             .copied()

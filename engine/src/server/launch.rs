@@ -214,6 +214,7 @@ fn start_on<B: Backend + 'static>(
     };
     let (tx, rx) = std::sync::mpsc::channel();
     let (export_tx, export_rx) = std::sync::mpsc::channel();
+    let (want_tx, want_rx) = std::sync::mpsc::channel();
     let worker = Worker::new(
         sched,
         model,
@@ -224,7 +225,7 @@ fn start_on<B: Backend + 'static>(
     )
     .with_stall_timeout(config.stalled_client_timeout())
     .with_tiers(config.kv.host_blocks, disk_io, peer.clone())
-    .with_export_queue(export_rx);
+    .with_peer_queues(export_rx, want_rx);
     let engine = EngineThread::spawn(DEFAULT_STALL_AFTER, move |beat| worker.run(rx, beat))
         .map_err(LaunchError::Thread)?;
     let tracer = kvgate_http::trace::Tracer::start(&config.tracing, "kvgate-engine")
@@ -240,6 +241,7 @@ fn start_on<B: Backend + 'static>(
         grammar_gate: Default::default(),
         commands: tx,
         export_asks: export_tx,
+        want_asks: want_tx,
         engine,
         metrics,
         kv_events: kv_tx,

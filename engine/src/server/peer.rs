@@ -147,12 +147,19 @@ struct ExportBody {
     blocks: Option<usize>,
 }
 
-async fn ask<T>(
+/// Of `prompt` in `scope`, the cached run that no tier here holds, from the engine thread
+/// (answered between steps or between the layers of a step).
+async fn missing_run(
     state: &ServerState,
-    make: impl FnOnce(oneshot::Sender<T>) -> Command,
-) -> Option<T> {
+    scope: &str,
+    prompt: &[u32],
+) -> Option<(usize, Vec<BlockHash>)> {
     let (tx, rx) = oneshot::channel();
-    state.commands.send(make(tx)).ok()?;
+    state
+        .want_asks
+        .send((scope.to_owned(), prompt.to_vec(), tx))
+        .ok()?;
+    state.commands.send(Command::PeerAsks).ok()?;
     rx.await.ok()
 }
 
@@ -208,7 +215,7 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
                 };
                 let (reply, frames) = oneshot::channel();
                 if state.export_asks.send((ask_for, reply)).is_err()
-                    || state.commands.send(Command::Exports).is_err()
+                    || state.commands.send(Command::PeerAsks).is_err()
                 {
                     return sent;
                 }
@@ -306,8 +313,7 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
         if state.peer_backoff.blocked(peer) {
             return 0;
         }
-        let (scope, owned) = (scope.to_owned(), prompt.to_vec());
-        let Some((from, want)) = ask(state, |r| Command::PeerWant(scope, owned, r)).await else {
+        let Some((from, want)) = missing_run(state, scope, prompt).await else {
             return 0;
         };
         let want: Vec<BlockHash> = want.into_iter().take(MAX_FETCH_BLOCKS).collect();

@@ -12,6 +12,7 @@ use kvgate_kernels::Backend;
 use kvgate_protocol::BlockHash;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -410,6 +411,17 @@ impl<B: Backend> Worker<B> {
         if asks > 0 {
             self.metrics.update(|m| m.tiers.export_waits += asks as u64);
         }
+    }
+}
+
+/// Answers every ask in `wants` ([`super::WantJob`]): between steps, or between the layers of a
+/// step (what it reads, the index and the tiers, a step does not change).
+pub(super) fn serve_wants(sched: &Scheduler, wants: Option<&Receiver<super::WantJob>>) {
+    let Some(wants) = wants else {
+        return;
+    };
+    while let Ok((scope, tokens, reply)) = wants.try_recv() {
+        let _ = reply.send(sched.kv.missing_run(&scope, &tokens));
     }
 }
 

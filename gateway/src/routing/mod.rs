@@ -111,9 +111,10 @@ pub struct Candidate {
     pub id: u64,
     /// Leading blocks of the request this engine caches.
     pub matched_blocks: u32,
-    /// Leading blocks another engine holds in its device pool or host tier, when that is at
-    /// least [`PEER_MIN_GAIN_BLOCKS`] more than `matched_blocks` (else 0): the gateway then
-    /// tells this engine to fetch the difference from that peer instead of computing it.
+    /// Leading blocks another engine holds in its device pool or host tier, when fetching the
+    /// blocks beyond `matched_blocks` from it costs less than computing them here
+    /// ([`Candidate::fetch_pays`]; else 0): the gateway then tells this engine to fetch the
+    /// difference from that peer instead of computing it.
     pub peer_blocks: u32,
     /// Requests in flight on it.
     pub inflight: u64,
@@ -136,6 +137,18 @@ impl Candidate {
     /// engine that shares its compute.
     pub fn beside(&self) -> f64 {
         self.inflight.max(self.compute_inflight) as f64
+    }
+
+    /// Whether fetching `gain` more leading blocks of a prompt from a peer costs this engine
+    /// less than computing them ([`peer_fetch_secs`] against their prefill, counted for the
+    /// request and for every request whose steps it lengthens, as [`Router`]'s cost counts it).
+    /// On a CPU one block's prefill takes longer than a transfer of several, so any gain is
+    /// fetched; where computing a block is cheaper than sending it, nothing is.
+    pub fn fetch_pays(&self, gain: u32, block_size: u32) -> bool {
+        let gain = gain.min(MAX_PEER_FETCH_BLOCKS);
+        let compute =
+            f64::from(gain) * f64::from(block_size) * self.secs_per_token * (1.0 + self.beside());
+        gain > 0 && peer_fetch_secs(gain) < compute
     }
 
     /// The share of the new blocks that `tokens` computed here take (blocks of `block` tokens)
@@ -177,9 +190,22 @@ const MAX_ANSWER_TOKENS: u32 = 256;
 /// `1 - 1 / TRAFFIC_WINDOW`.
 const TRAFFIC_WINDOW: f64 = 64.0;
 
-/// A peer must hold at least this many blocks more than the chosen engine for the gateway to
-/// name it (`x-kvgate-prefix-peer`).
-pub const PEER_MIN_GAIN_BLOCKS: u32 = 4;
+/// An engine still computing a prefix must be computing at least this many blocks more than
+/// the chosen engine holds for the gateway to name it (`x-kvgate-prefix-peer`): the request
+/// may wait up to the fetch limit for it, a second or more, which a few blocks' prefill is not
+/// worth. (An engine that holds the blocks is named whenever [`Candidate::fetch_pays`].)
+pub const COMPUTING_PEER_MIN_GAIN_BLOCKS: u32 = 4;
+
+/// Seconds a transfer of `blocks` blocks from a peer takes: each block's
+/// [`PRIOR_PEER_LOAD_SECS_PER_BLOCK`], and one block's more for the ask and its answer.
+///
+/// [`PRIOR_PEER_LOAD_SECS_PER_BLOCK`]: kvgate_protocol::load::PRIOR_PEER_LOAD_SECS_PER_BLOCK
+pub fn peer_fetch_secs(blocks: u32) -> f64 {
+    if blocks == 0 {
+        return 0.0;
+    }
+    f64::from(blocks.saturating_add(1)) * kvgate_protocol::load::PRIOR_PEER_LOAD_SECS_PER_BLOCK
+}
 
 /// Most blocks a peer fetch is counted for (an engine with the staging host tier fetches at
 /// most half of its 256 blocks; the rest it computes).
@@ -294,8 +320,7 @@ impl Router {
         let computed = (uncached - fetched_tokens) as f64;
         let beside = c.beside();
         let cache = uncached as f64 * c.secs_per_token * c.evicting_share(uncached, block);
-        let fetch = fetched_tokens.div_ceil(block.max(1)) as f64
-            * kvgate_protocol::load::PRIOR_PEER_LOAD_SECS_PER_BLOCK;
+        let fetch = peer_fetch_secs(fetched_tokens.div_ceil(block.max(1)) as u32);
         let compute = computed * c.secs_per_token * (1.0 + beside);
         let answer = f64::from(answer_tokens.min(MAX_ANSWER_TOKENS));
         let decode = 2.0 * answer * beside * c.secs_per_token;
@@ -561,7 +586,7 @@ mod tests {
         c[0].free_blocks = 8;
         assert_eq!(r.choose(1, 270, 0, &c).unwrap().slot, 0);
         // A peer copy into free blocks costs its transfer and the 14 tokens left to compute,
-        // 0.046 s (0.316 s with a full pool), against engine 1's 0.1 s of queue.
+        // 0.048 s (0.318 s with a full pool), against engine 1's 0.1 s of queue.
         c[0].peer_blocks = 16;
         c[0].free_blocks = 0;
         c[1].wait_secs = 0.1;
@@ -640,7 +665,7 @@ mod tests {
         }
         assert_eq!(r.choose(1, 270, 0, &shared).unwrap().slot, 1);
         // A peer copy makes the spill a transfer: engine 0 (two in flight) can fetch the 16
-        // blocks from engine 1 (0.288 s with their cache share) and compute 14 tokens (0.056 s),
+        // blocks from engine 1 (0.290 s with their cache share) and compute 14 tokens (0.056 s),
         // against 0.542 s of waiting. Without it, recomputing there (1.08 s) is dearer.
         let mut fetch = cands(&[0, 16, 0], &[0.0, 0.5, 0.0], &[2, 1, 2]);
         assert_eq!(r.choose(1, 270, 0, &fetch).unwrap().slot, 1);

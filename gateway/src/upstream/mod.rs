@@ -294,7 +294,7 @@ impl Registry {
     }
 }
 
-pub use crate::routing::PEER_MIN_GAIN_BLOCKS;
+pub use crate::routing::COMPUTING_PEER_MIN_GAIN_BLOCKS;
 
 impl Registry {
     /// The engine other than `chosen` (and those in `exclude`, which failed this request) that
@@ -346,7 +346,7 @@ pub fn best_peer(
 /// counts as routed there), the one that is computing the longest leading run of `hashes` for
 /// requests routed to it ([`PrefixIndex::route`]: its KV events have not confirmed those blocks
 /// yet, or it has not reached them), with that run's length. Only when:
-/// - the run is at least [`PEER_MIN_GAIN_BLOCKS`] longer than what `chosen` caches or is
+/// - the run is at least [`COMPUTING_PEER_MIN_GAIN_BLOCKS`] longer than what `chosen` caches or is
 ///   computing itself;
 /// - that engine's wait, before which it will not have computed them, is within the time
 ///   `chosen` waits for a fetch ([`kvgate_protocol::load::peer_fetch_limit_secs`]).
@@ -374,7 +374,7 @@ pub fn computing_peer(
         .filter_map(|c| {
             let n = runs[c.slot];
             let gain = n.checked_sub(own)? as usize;
-            if gain < PEER_MIN_GAIN_BLOCKS as usize {
+            if gain < COMPUTING_PEER_MIN_GAIN_BLOCKS as usize {
                 return None;
             }
             let limit = kvgate_protocol::load::peer_fetch_limit_secs(gain);
@@ -568,7 +568,7 @@ pub fn candidates(
             .map(|&(s, ..)| matched[s].fast)
             .max()
             .unwrap_or(0);
-        if best >= c.matched_blocks + PEER_MIN_GAIN_BLOCKS {
+        if best > c.matched_blocks {
             c.peer_blocks = best;
         }
     }
@@ -600,6 +600,16 @@ pub fn candidates(
         // as evicting, wherever they land.
         if rates.len() > 1 {
             c.free_blocks = 0;
+        }
+    }
+    // A peer's blocks count where fetching them costs less than computing them, at the rate
+    // and beside the requests just worked out.
+    for c in &mut candidates {
+        if !c.fetch_pays(
+            c.peer_blocks.saturating_sub(c.matched_blocks),
+            req.block_size,
+        ) {
+            c.peer_blocks = 0;
         }
     }
     candidates
@@ -731,7 +741,7 @@ mod tests {
         assert_eq!(name(&c, 0).as_deref(), Some("e1"));
         let whole = registry.route(engines[2].slot, &hashes);
         assert_eq!(name(&c, 0).as_deref(), Some("e2"));
-        // A gain under PEER_MIN_GAIN_BLOCKS over what the chosen engine caches, or is computing
+        // A gain under COMPUTING_PEER_MIN_GAIN_BLOCKS over what the chosen engine caches, or is computing
         // itself for another request, names no one.
         c[0].matched_blocks = 13;
         assert_eq!(name(&c, 0), None);
@@ -937,11 +947,19 @@ mod tests {
             (c.iter().map(|c| c.slot).collect::<Vec<_>>(), peers(&c)),
             (vec![engines[1].slot, engines[2].slot], vec![16, 16])
         );
-        // A gain under the hint's minimum is none.
+        // Three blocks more are worth a transfer where they would be computed at the prior
+        // rate: 48 tokens' prefill (0.048 s) against four blocks' transfer time (0.008 s).
         for h in &hashes[..13] {
             registry.index.write().unwrap().insert(engines[1].slot, *h);
         }
-        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 16]);
+        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [16, 16]);
+        // Where computing a block is cheaper than sending it (10 us a token: 0.48 ms for the
+        // three blocks, 2.6 ms for all sixteen), no one counts on a transfer.
+        engines[1].set_report(Some(LoadReport {
+            secs_per_token: 1e-5,
+            ..LoadReport::default()
+        }));
+        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 0]);
     }
 
     #[test]
