@@ -111,8 +111,8 @@ pub struct Candidate {
     pub id: u64,
     /// Leading blocks of the request this engine caches.
     pub matched_blocks: u32,
-    /// Leading blocks another engine holds in its device pool or host tier, when fetching the
-    /// blocks beyond `matched_blocks` from it costs less than computing them here
+    /// Leading blocks another engine holds in its device pool or host tier, when the blocks
+    /// beyond `matched_blocks` are worth fetching from it rather than computing them here
     /// ([`Candidate::fetch_pays`]; else 0): the gateway then tells this engine to fetch the
     /// difference from that peer instead of computing it.
     pub peer_blocks: u32,
@@ -139,13 +139,17 @@ impl Candidate {
         self.inflight.max(self.compute_inflight) as f64
     }
 
-    /// Whether fetching `gain` more leading blocks of a prompt from a peer costs this engine
-    /// less than computing them ([`peer_fetch_secs`] against their prefill, counted for the
-    /// request and for every request whose steps it lengthens, as [`Router`]'s cost counts it).
-    /// On a CPU one block's prefill takes longer than a transfer of several, so any gain is
-    /// fetched; where computing a block is cheaper than sending it, nothing is.
+    /// Whether this engine should fetch `gain` more leading blocks of a prompt from a peer that
+    /// holds them rather than compute them: always for [`PEER_MIN_GAIN_BLOCKS`] or more (the
+    /// transfer spares its compute); a shorter gain where the transfer ([`peer_fetch_secs`])
+    /// takes less time than their prefill here, counted for the request and for every request
+    /// whose steps it lengthens, as [`Router`]'s cost counts it. On a CPU one block's prefill
+    /// takes longer than a transfer of several, so a gain of one block is fetched; on a fast
+    /// device it is computed.
     pub fn fetch_pays(&self, gain: u32, block_size: u32) -> bool {
-        let gain = gain.min(MAX_PEER_FETCH_BLOCKS);
+        if gain >= PEER_MIN_GAIN_BLOCKS {
+            return true;
+        }
         let compute =
             f64::from(gain) * f64::from(block_size) * self.secs_per_token * (1.0 + self.beside());
         gain > 0 && peer_fetch_secs(gain) < compute
@@ -190,11 +194,13 @@ const MAX_ANSWER_TOKENS: u32 = 256;
 /// `1 - 1 / TRAFFIC_WINDOW`.
 const TRAFFIC_WINDOW: f64 = 64.0;
 
-/// An engine still computing a prefix must be computing at least this many blocks more than
-/// the chosen engine holds for the gateway to name it (`x-kvgate-prefix-peer`): the request
-/// may wait up to the fetch limit for it, a second or more, which a few blocks' prefill is not
-/// worth. (An engine that holds the blocks is named whenever [`Candidate::fetch_pays`].)
-pub const COMPUTING_PEER_MIN_GAIN_BLOCKS: u32 = 4;
+/// A gain of this many blocks over what the chosen engine holds is always fetched from a peer
+/// that holds them: the transfer spares the chosen engine's compute, which every later request
+/// there needs, even where computing them would end sooner ([`Candidate::fetch_pays`]). It is
+/// also the least an engine still computing the prefix must be ahead for the gateway to name
+/// it: the request may wait up to the fetch limit for it, which a block or two's prefill is
+/// not worth.
+pub const PEER_MIN_GAIN_BLOCKS: u32 = 4;
 
 /// Seconds a transfer of `blocks` blocks from a peer takes: each block's
 /// [`PRIOR_PEER_LOAD_SECS_PER_BLOCK`], and one block's more for the ask and its answer.

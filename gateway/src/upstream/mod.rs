@@ -294,7 +294,7 @@ impl Registry {
     }
 }
 
-pub use crate::routing::COMPUTING_PEER_MIN_GAIN_BLOCKS;
+pub use crate::routing::PEER_MIN_GAIN_BLOCKS;
 
 impl Registry {
     /// The engine other than `chosen` (and those in `exclude`, which failed this request) that
@@ -346,7 +346,7 @@ pub fn best_peer(
 /// counts as routed there), the one that is computing the longest leading run of `hashes` for
 /// requests routed to it ([`PrefixIndex::route`]: its KV events have not confirmed those blocks
 /// yet, or it has not reached them), with that run's length. Only when:
-/// - the run is at least [`COMPUTING_PEER_MIN_GAIN_BLOCKS`] longer than what `chosen` caches or is
+/// - the run is at least [`PEER_MIN_GAIN_BLOCKS`] longer than what `chosen` caches or is
 ///   computing itself;
 /// - that engine's wait, before which it will not have computed them, is within the time
 ///   `chosen` waits for a fetch ([`kvgate_protocol::load::peer_fetch_limit_secs`]).
@@ -374,7 +374,7 @@ pub fn computing_peer(
         .filter_map(|c| {
             let n = runs[c.slot];
             let gain = n.checked_sub(own)? as usize;
-            if gain < COMPUTING_PEER_MIN_GAIN_BLOCKS as usize {
+            if gain < PEER_MIN_GAIN_BLOCKS as usize {
                 return None;
             }
             let limit = kvgate_protocol::load::peer_fetch_limit_secs(gain);
@@ -741,7 +741,7 @@ mod tests {
         assert_eq!(name(&c, 0).as_deref(), Some("e1"));
         let whole = registry.route(engines[2].slot, &hashes);
         assert_eq!(name(&c, 0).as_deref(), Some("e2"));
-        // A gain under COMPUTING_PEER_MIN_GAIN_BLOCKS over what the chosen engine caches, or is computing
+        // A gain under PEER_MIN_GAIN_BLOCKS over what the chosen engine caches, or is computing
         // itself for another request, names no one.
         c[0].matched_blocks = 13;
         assert_eq!(name(&c, 0), None);
@@ -954,12 +954,13 @@ mod tests {
         }
         assert_eq!(peers(&candidates(&registry, &hashes, "t")), [16, 16]);
         // Where computing a block is cheaper than sending it (10 us a token: 0.48 ms for the
-        // three blocks, 2.6 ms for all sixteen), no one counts on a transfer.
+        // three blocks, against 8 ms), the three are computed; the sixteen engine 2 lacks are
+        // still fetched (PEER_MIN_GAIN_BLOCKS or more: the transfer spares its compute).
         engines[1].set_report(Some(LoadReport {
             secs_per_token: 1e-5,
             ..LoadReport::default()
         }));
-        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 0]);
+        assert_eq!(peers(&candidates(&registry, &hashes, "t")), [0, 16]);
     }
 
     #[test]
