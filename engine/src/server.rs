@@ -49,6 +49,9 @@ pub struct ServerState {
     pub export_asks: mpsc::Sender<crate::worker::ExportJob>,
     /// This engine's fetches' asks for what to fetch, answered the same way.
     pub want_asks: mpsc::Sender<crate::worker::WantJob>,
+    /// Blocks fetched from peers and sent to the engine thread that it has not stored yet (one
+    /// is added before each [`Command::Import`]).
+    pub imports_pending: Arc<AtomicUsize>,
     /// The engine thread behind `commands`, for `/health`.
     pub engine: EngineThread,
     pub metrics: Arc<Stats>,

@@ -32,6 +32,7 @@ use kvgate_protocol::prompt::PromptRenderer;
 use kvgate_protocol::{KvEventRecord, LoadReport, StepCost};
 use outbox::{Outbox, Refused};
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -234,6 +235,9 @@ pub struct Worker<B: Backend> {
     /// This engine's own fetches' asks for what they should fetch, answered between steps and
     /// between a step's layers.
     want_asks: Option<Receiver<WantJob>>,
+    /// Blocks a transfer brought that wait in the command queue for the host tier
+    /// ([`Command::Import`]): while any do, the asks in `want_asks` wait for the step's end.
+    imports_pending: Arc<AtomicUsize>,
     /// Asks that wait for blocks this engine is computing, answered after the step that does
     /// (at most one per transfer served at once).
     waiting_exports: Vec<tiers::WaitingAsk>,
@@ -303,6 +307,7 @@ impl<B: Backend> Worker<B> {
             compute: compute_id(&model.backend().compute_unit()),
             export_asks: None,
             want_asks: None,
+            imports_pending: Arc::default(),
             waiting_exports: Vec::new(),
             model,
         }
@@ -333,13 +338,17 @@ impl<B: Backend> Worker<B> {
     /// Answers peers' asks for blocks from `exports`, and this engine's fetches' asks for what to
     /// fetch from `wants` (each followed by [`Command::PeerAsks`]): between steps, and between
     /// the layers of a step, so that neither end of a transfer waits for a long step to end.
+    /// `imports_pending` counts the [`Command::Import`]s sent and not yet taken: the sender adds
+    /// one before each, the engine thread takes it off.
     pub fn with_peer_queues(
         mut self,
         exports: Receiver<ExportJob>,
         wants: Receiver<WantJob>,
+        imports_pending: Arc<AtomicUsize>,
     ) -> Self {
         self.export_asks = Some(exports);
         self.want_asks = Some(wants);
+        self.imports_pending = imports_pending;
         self
     }
 
@@ -420,10 +429,15 @@ impl<B: Backend> Worker<B> {
             Command::Persist(wait, reply) => {
                 let _ = reply.send(self.persist(wait));
             }
-            Command::Import(frame) => self.import(frame),
+            Command::Import(frame) => {
+                self.import(frame);
+                let _ =
+                    self.imports_pending
+                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+            }
             Command::PeerAsks => {
                 self.serve_exports();
-                tiers::serve_wants(&self.sched, self.want_asks.as_ref());
+                tiers::serve_wants(&self.sched, self.want_asks.as_ref(), None);
             }
             Command::Status(reply) => {
                 let _ = reply.send(self.status());
@@ -801,11 +815,12 @@ impl<B: Backend> Worker<B> {
                 let (sched, swap_blocks) = (&self.sched, self.swap_blocks);
                 let waiting = &mut self.waiting_exports;
                 let wants = self.want_asks.as_ref();
+                let imports = &*self.imports_pending;
                 let mut waited = 0;
                 let logits = self.model.forward_with(&batch, &mut |blocks| {
                     // A fetch starting here learns what to fetch now, not after the step: its
                     // blocks can then arrive with its request, by the step's end.
-                    tiers::serve_wants(sched, wants);
+                    tiers::serve_wants(sched, wants, Some(imports));
                     let new = std::iter::from_fn(|| asks.try_recv().ok().map(tiers::fresh));
                     waited += tiers::serve_exports(
                         sched,

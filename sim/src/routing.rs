@@ -54,7 +54,7 @@
 use kvgate_gateway::routing::index::{PrefixIndex, MAX_ENGINES};
 use kvgate_gateway::routing::prefix::PromptHasher;
 use kvgate_gateway::routing::{
-    engine_id, Candidate, Policy, Router, RouterConfig, MAX_PEER_FETCH_BLOCKS,
+    engine_id, Candidate, Policy, Router, RouterConfig, MAX_PEER_FETCH_BLOCKS, PEER_MIN_GAIN_BLOCKS,
 };
 use kvgate_gateway::upstream::{best_peer, candidates, EngineView, Registry, RouteRequest};
 use kvgate_protocol::prompt::{ChatMessage, PromptError, PromptRenderer};
@@ -594,6 +594,9 @@ pub struct PolicyResult {
     /// Requests told to fetch their prefix from a peer, and the prompt tokens that came over.
     pub peer_fetches: u64,
     pub peer_tokens: u64,
+    /// Of those fetches, the ones for fewer than `PEER_MIN_GAIN_BLOCKS` blocks (worth a
+    /// transfer only where it takes less time than their prefill).
+    pub peer_short_fetches: u64,
 }
 
 fn max_over_mean(v: &[f64]) -> f64 {
@@ -676,6 +679,7 @@ struct Simulation<'a> {
     reasons: BTreeMap<String, u64>,
     peer_fetches: u64,
     peer_tokens: u64,
+    peer_short_fetches: u64,
 }
 
 impl<'a> Simulation<'a> {
@@ -746,6 +750,7 @@ impl<'a> Simulation<'a> {
             reasons: BTreeMap::new(),
             peer_fetches: 0,
             peer_tokens: 0,
+            peer_short_fetches: 0,
         }
     }
 
@@ -879,6 +884,9 @@ impl<'a> Simulation<'a> {
                 let blocks = n.saturating_sub(matched as u32).min(MAX_PEER_FETCH_BLOCKS);
                 let at = self.now + f64::from(blocks + 1) * trace.config.peer_load_secs_per_block;
                 self.peer_fetches += 1;
+                if blocks < PEER_MIN_GAIN_BLOCKS {
+                    self.peer_short_fetches += 1;
+                }
                 self.schedule(at, Event::Fetched(slot, i, from));
             }
             None => self.enqueue(slot, i),
@@ -1329,6 +1337,7 @@ impl<'a> Simulation<'a> {
             reasons: self.reasons,
             peer_fetches: self.peer_fetches,
             peer_tokens: self.peer_tokens,
+            peer_short_fetches: self.peer_short_fetches,
         }
     }
 }
@@ -1811,14 +1820,25 @@ mod tests {
         let trace = Trace::generate(&cfg);
         let fast = run(&trace, SimPolicy::Router(Policy::RoundRobin), true);
         assert!(fast.peer_fetches > 50, "{}", fast.peer_fetches);
-        assert!(
-            fast.peer_tokens
-                >= fast.peer_fetches
-                    * 16
-                    * u64::from(kvgate_gateway::routing::PEER_MIN_GAIN_BLOCKS)
-        );
         let oracle = run(&trace, SimPolicy::Oracle, true);
         assert_above(fast.hit_rate, 0.9, oracle.hit_rate);
+        // Pools of 60 blocks lose prefixes' tails, so an engine often lacks only a few blocks
+        // that another holds: a CPU fetches some of those short runs, the fast fleet none.
+        cfg.capacity_blocks = Some(60);
+        let short = |tps: f64| {
+            let mut cfg = cfg.clone();
+            cfg.prefill_tps = tps;
+            let r = run(
+                &Trace::generate(&cfg),
+                SimPolicy::Router(Policy::RoundRobin),
+                true,
+            );
+            (r.peer_fetches, r.peer_short_fetches)
+        };
+        let (fetches, cpu) = short(2_000.0);
+        assert!(cpu > 0 && cpu < fetches, "{cpu} of {fetches}");
+        let (fetches, fast) = short(256_000.0);
+        assert!(fetches > 50 && fast == 0, "{fast} of {fetches}");
     }
 
     #[test]

@@ -380,6 +380,8 @@ fn what_a_peer_could_send_starts_past_every_tier_here_and_registers_no_scope() {
     start(&mut m, 2, "a", &toks(100..113));
     assert_eq!(m.usage().host_cached, 3);
     assert_eq!(m.missing_run("a", &prompt), (3, Vec::new()));
+    // A prompt of exactly three blocks: the third holds its last token and is computed.
+    assert_eq!(m.missing_run("a", &toks(0..12)), (2, Vec::new()));
     // A longer prompt misses the two full blocks past them.
     let (from, run) = m.missing_run("a", &toks(0..21));
     assert_eq!((from, run.len()), (3, 2));

@@ -215,6 +215,7 @@ fn start_on<B: Backend + 'static>(
     let (tx, rx) = std::sync::mpsc::channel();
     let (export_tx, export_rx) = std::sync::mpsc::channel();
     let (want_tx, want_rx) = std::sync::mpsc::channel();
+    let imports_pending = Arc::new(AtomicUsize::new(0));
     let worker = Worker::new(
         sched,
         model,
@@ -225,7 +226,7 @@ fn start_on<B: Backend + 'static>(
     )
     .with_stall_timeout(config.stalled_client_timeout())
     .with_tiers(config.kv.host_blocks, disk_io, peer.clone())
-    .with_peer_queues(export_rx, want_rx);
+    .with_peer_queues(export_rx, want_rx, imports_pending.clone());
     let engine = EngineThread::spawn(DEFAULT_STALL_AFTER, move |beat| worker.run(rx, beat))
         .map_err(LaunchError::Thread)?;
     let tracer = kvgate_http::trace::Tracer::start(&config.tracing, "kvgate-engine")
@@ -242,6 +243,7 @@ fn start_on<B: Backend + 'static>(
         commands: tx,
         export_asks: export_tx,
         want_asks: want_tx,
+        imports_pending,
         engine,
         metrics,
         kv_events: kv_tx,

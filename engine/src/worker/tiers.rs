@@ -11,7 +11,7 @@ use crate::scheduler::{GroupId, Scheduler};
 use kvgate_kernels::Backend;
 use kvgate_protocol::BlockHash;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -415,11 +415,22 @@ impl<B: Backend> Worker<B> {
 }
 
 /// Answers every ask in `wants` ([`super::WantJob`]): between steps, or between the layers of a
-/// step (what it reads, the index and the tiers, a step does not change).
-pub(super) fn serve_wants(sched: &Scheduler, wants: Option<&Receiver<super::WantJob>>) {
+/// step, given `imports_pending` there. What an answer reads, the index and the tiers, a step
+/// does not change (its own blocks entered the index when it was scheduled, and count as held).
+/// But blocks a transfer has brought wait in the command queue until the step ends: while any
+/// do, an answer would list them as missing again and start a second transfer of them, so the
+/// asks wait for the step's end, when those go in first.
+pub(super) fn serve_wants(
+    sched: &Scheduler,
+    wants: Option<&Receiver<super::WantJob>>,
+    imports_pending: Option<&AtomicUsize>,
+) {
     let Some(wants) = wants else {
         return;
     };
+    if imports_pending.is_some_and(|n| n.load(Ordering::SeqCst) > 0) {
+        return;
+    }
     while let Ok((scope, tokens, reply)) = wants.try_recv() {
         let _ = reply.send(sched.kv.missing_run(&scope, &tokens));
     }
@@ -519,4 +530,51 @@ fn export<B: Backend>(
         });
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::{PreemptMode, SchedulerConfig};
+
+    #[test]
+    fn asks_for_what_to_fetch_wait_mid_step_while_fetched_blocks_wait_to_go_in() {
+        let sched = Scheduler::new(
+            SchedulerConfig {
+                max_batched_tokens: 64,
+                decode_step_prefill_tokens: 64,
+                max_seqs: 8,
+                preempt_mode: PreemptMode::Recompute,
+            },
+            crate::kv::test_manager_tiered(
+                16,
+                0,
+                4,
+                crate::kv::TierConfig {
+                    host_blocks: 16,
+                    disk_blocks: 0,
+                },
+            ),
+        );
+        let (asks, wants) = std::sync::mpsc::channel();
+        let (reply, mut answer) = tokio::sync::oneshot::channel();
+        asks.send(("t".to_owned(), (0..13).collect(), reply))
+            .unwrap();
+        // Between two layers, with a fetched block still in the command queue: the answer would
+        // list it as missing, so it waits.
+        let pending = AtomicUsize::new(1);
+        serve_wants(&sched, Some(&wants), Some(&pending));
+        assert!(answer.try_recv().is_err());
+        // Between steps (the queued blocks went in first) it is answered whatever the count.
+        serve_wants(&sched, Some(&wants), None);
+        assert_eq!(answer.try_recv().unwrap().1.len(), 3);
+        // And between layers once nothing waits to go in.
+        let (reply, mut answer) = tokio::sync::oneshot::channel();
+        asks.send(("t".to_owned(), (0..9).collect(), reply))
+            .unwrap();
+        pending.store(0, Ordering::SeqCst);
+        serve_wants(&sched, Some(&wants), Some(&pending));
+        let (from, run) = answer.try_recv().unwrap();
+        assert_eq!((from, run.len()), (0, 2));
+    }
 }
