@@ -87,6 +87,20 @@ impl ServerState {
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::SeqCst)
     }
+
+    /// Hands a block fetched from a peer to the engine thread, counted in `imports_pending`
+    /// until that thread has stored it (false: the engine stopped, and the count is taken back).
+    /// Synchronous, with no await between the count and the send: a transfer dropped at any of
+    /// its awaits leaves no count behind, and a block sent is uncounted by the engine thread
+    /// whether or not its transfer goes on.
+    pub fn send_import(&self, frame: crate::worker::disk::Frame) -> bool {
+        self.imports_pending.fetch_add(1, Ordering::SeqCst);
+        if self.commands.send(Command::Import(frame)).is_ok() {
+            return true;
+        }
+        self.imports_pending.fetch_sub(1, Ordering::SeqCst);
+        false
+    }
 }
 
 /// Serves connections from `listener` until `shutdown` completes; in-flight connections finish.

@@ -185,16 +185,25 @@ impl KvCacheManager {
     /// Cached blocks `prompt` would hit now: at most all but the block holding its last token,
     /// which is always computed (its logits are needed).
     pub fn cached_prefix(&self, prompt: &HashedPrompt) -> Vec<BlockId> {
-        let cap = prompt.num_tokens.saturating_sub(1) / self.block_size;
         self.index
-            .longest_prefix(&prompt.hashes[..cap.min(prompt.hashes.len())])
+            .longest_prefix(self.hit_hashes(&prompt.hashes, prompt.num_tokens))
     }
 
     /// How many blocks [`Self::cached_prefix`] would return, without collecting them.
     pub fn cached_prefix_len(&self, prompt: &HashedPrompt) -> usize {
-        let cap = prompt.num_tokens.saturating_sub(1) / self.block_size;
         self.index
-            .longest_prefix_len(&prompt.hashes[..cap.min(prompt.hashes.len())])
+            .longest_prefix_len(self.hit_hashes(&prompt.hashes, prompt.num_tokens))
+    }
+
+    /// Of a prompt's block `hashes` (`num_tokens` tokens), those a cache hit may cover: all but
+    /// the block holding its last token.
+    pub(super) fn hit_hashes<'a>(
+        &self,
+        hashes: &'a [BlockHash],
+        num_tokens: usize,
+    ) -> &'a [BlockHash] {
+        let cap = num_tokens.saturating_sub(1) / self.block_size;
+        &hashes[..cap.min(hashes.len())]
     }
 
     /// New blocks (allocated or revived from the cache) that admitting `prompt` whole needs now.

@@ -281,12 +281,15 @@ impl KvCacheManager {
     /// How many blocks of `prompt` after its first `from` (its device hits) continue the cached
     /// run in the host tier (never the block holding the last prompt token).
     pub(super) fn host_run_len(&self, prompt: &HashedPrompt, from: usize) -> usize {
+        self.host_run(self.hit_hashes(&prompt.hashes, prompt.num_tokens), from)
+    }
+
+    /// How many of `hits` from `from` on the host tier holds, in a row.
+    fn host_run(&self, hits: &[BlockHash], from: usize) -> usize {
         if self.host_tier.is_empty() {
             return 0;
         }
-        let cap = prompt.num_tokens.saturating_sub(1) / self.block_size;
-        let cap = cap.min(prompt.hashes.len());
-        prompt.hashes[from.min(cap)..cap]
+        hits[from.min(hits.len())..]
             .iter()
             .take_while(|h| self.host_tier.contains(**h))
             .count()
@@ -503,22 +506,17 @@ impl KvCacheManager {
             Some(id) => self.scope_chains[id.0 as usize],
             None => self.hasher.start(scope),
         };
-        // The block holding the last token is always computed.
-        let cap = tokens.len().saturating_sub(1) / self.block_size;
-        let (hashes, _) = self.hasher.extend(start, &tokens[..cap * self.block_size]);
-        let device = self.index.longest_prefix_len(&hashes);
-        let mut from = device
-            + hashes[device..]
-                .iter()
-                .take_while(|h| self.host_tier.contains(**h))
-                .count();
+        let (hashes, _) = self.hasher.extend(start, tokens);
+        let hits = self.hit_hashes(&hashes, tokens.len());
+        let device = self.index.longest_prefix_len(hits);
+        let mut from = device + self.host_run(hits, device);
         if let Some(disk) = self.disk_tier.as_ref().filter(|_| self.disk_on()) {
-            from += hashes[from..]
+            from += hits[from..]
                 .iter()
                 .take_while(|h| disk.contains(**h))
                 .count();
         }
-        let run = hashes[from..]
+        let run = hits[from..]
             .iter()
             .take(self.host_tier.capacity() / 2)
             .copied()

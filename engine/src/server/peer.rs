@@ -474,9 +474,7 @@ async fn transfer(
                 scope: ask_body.scope.clone(),
                 payload,
             };
-            state.imports_pending.fetch_add(1, Ordering::SeqCst);
-            if state.commands.send(Command::Import(frame)).is_err() {
-                state.imports_pending.fetch_sub(1, Ordering::SeqCst);
+            if !state.send_import(frame) {
                 return Ended::Failed("the engine stopped".into());
             }
             done += 1;
