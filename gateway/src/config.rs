@@ -27,7 +27,8 @@
 //!                                    # after each answer) before the listeners close; <= 60000
 //! [routing]
 //! policy = "prefix"                  # prefix | round_robin | least_loaded | consistent_hash
-//! load_factor = 1.25                 # bounded load: no engine above this x the mean in flight
+//! load_factor = 1.25                 # bounded load: no engine above this x the mean of the
+//!                                    # recent requests (nor, starting a prefix, of those in flight)
 //! prefill_tokens_per_sec = 1000.0    # an engine's prefill speed until it reports its own
 //! [[engines]]
 //! name = "engine-0"

@@ -17,10 +17,16 @@
 //! included: a busy fleet gains little from a second copy of a prefix, and an idle engine takes
 //! a tenant over only when the wait it saves is worth the prefill. The engine admits waiting
 //! requests by fair queuing across tenants, so a tenant that floods an engine lengthens its own
-//! wait there, not the others': it is the one that spills. Over that, a bounded-load guarantee
-//! for requests that would start cold (no cached prefix there): an engine whose running batch is
-//! full takes none while it has `load_factor` x its share of the requests in flight (rounded
-//! up, plus [`INFLIGHT_SLACK`]).
+//! wait there, not the others': it is the one that spills. Over that, two bounded-load
+//! guarantees. On the recent requests (the last [`TRAFFIC_WINDOW`] or so, each weighed down by
+//! every later one): an engine that was given `load_factor` x its share of them takes none for
+//! now ([`TRAFFIC_SLACK`] more while few were routed) where an engine under its share caches as
+//! much of the prompt or can fetch it from a peer, so that the engine holding a hot tenant's
+//! prefix does not take most of the requests once a second one can serve them (a bound that made
+//! the second engine compute the prefix cost more cache and throughput than it evened out). On
+//! the requests in flight, for requests that would start cold (no cached prefix there): an
+//! engine whose running batch is full takes none while it has `load_factor` x its share of them
+//! (rounded up, plus [`INFLIGHT_SLACK`]).
 //!
 //! With no match anywhere the request goes to the tenant's home engine: the first engine in
 //! rendezvous order (of the tenant's system-prompt hash) that has had no more than its share of
@@ -82,9 +88,9 @@ pub enum Reason {
     Prefix,
     /// No engine caches the prefix: the tenant's home engine.
     Affinity,
-    /// Waiting for a cached prefix costs more than computing it (or its engines are at their
-    /// in-flight cap), or waiting at the home engine costs more than computing the prompt
-    /// elsewhere: the cheapest engine.
+    /// Waiting for a cached prefix costs more than computing it (or its engines were given
+    /// their most of the recent requests), or waiting at the home engine costs more than
+    /// computing the prompt elsewhere: the cheapest engine.
     LeastLoaded,
     RoundRobin,
     ConsistentHash,
@@ -178,7 +184,7 @@ pub struct Choice {
 #[derive(Debug, Clone, Copy)]
 pub struct RouterConfig {
     pub policy: Policy,
-    /// Bounded load factor (>= 1), on requests in flight.
+    /// Bounded load factor (>= 1), on the recent requests and on those in flight.
     pub load_factor: f64,
     /// Tokens per block.
     pub block_size: u32,
@@ -192,7 +198,7 @@ const MAX_ANSWER_TOKENS: u32 = 256;
 
 /// The recent requests the homes' balance looks at: each decision weighs the past ones by
 /// `1 - 1 / TRAFFIC_WINDOW`.
-const TRAFFIC_WINDOW: f64 = 64.0;
+pub const TRAFFIC_WINDOW: f64 = 64.0;
 
 /// A gain of this many blocks over what the chosen engine holds is always fetched from a peer
 /// that holds them: the transfer spares the chosen engine's compute, which every later request
@@ -220,6 +226,11 @@ pub const MAX_PEER_FETCH_BLOCKS: u32 = 128;
 /// Requests an engine may have in flight beyond `load_factor` x the mean: with a handful in
 /// flight, a share of the mean alone is too small a number to bound anything but cache reuse.
 pub const INFLIGHT_SLACK: u64 = 2;
+
+/// Recent requests an engine may be given beyond its share (the mean over the engines) where
+/// `load_factor` x the share is less: with a handful of requests routed so far, a tenant's
+/// first few go to the engine that holds its prefix.
+pub const TRAFFIC_SLACK: f64 = 2.0;
 
 /// Most tenant homes remembered; past it the table starts over (homes are re-derived the same
 /// way, so forgetting only loses balance history).
@@ -339,13 +350,10 @@ impl Router {
         if traffic.len() > candidates.len().max(MAX_ENGINES_REMEMBERED) {
             traffic.clear();
         }
+        let given = recent_requests(&traffic, candidates);
         let keep = 1.0 - 1.0 / TRAFFIC_WINDOW;
-        for c in candidates {
-            let t = traffic.entry(c.id).or_insert(0.0);
-            *t *= keep;
-            if c.id == id {
-                *t += 1.0;
-            }
+        for (c, given) in candidates.iter().zip(given) {
+            traffic.insert(c.id, given * keep + f64::from(u8::from(c.id == id)));
         }
     }
 
@@ -364,6 +372,36 @@ impl Router {
         ((self.config.load_factor * share).ceil() as u64).saturating_add(INFLIGHT_SLACK)
     }
 
+    /// The engines among `candidates` that were given their most of the recent requests (one
+    /// more would take an engine's share of them past `load_factor` x the mean, or the mean
+    /// plus [`TRAFFIC_SLACK`] where that is more) and that another engine, under its share,
+    /// can stand in for: it caches as many of the prompt's leading blocks, or can fetch them
+    /// from a peer. An engine with no such stand-in keeps its requests, priced by its wait: a
+    /// bound that made another engine compute the prefix cost a tenant its cache (and the
+    /// fleet its throughput) for a count.
+    fn over_share(&self, candidates: &[Candidate]) -> Vec<u64> {
+        let given = {
+            let traffic = self.traffic.lock().unwrap_or_else(|p| p.into_inner());
+            recent_requests(&traffic, candidates)
+        };
+        let mean = (given.iter().sum::<f64>() + 1.0) / candidates.len() as f64;
+        let bound = (self.config.load_factor * mean).max(mean + TRAFFIC_SLACK);
+        let over: Vec<bool> = given.iter().map(|g| g + 1.0 > bound + 1e-9).collect();
+        let covers = |c: &Candidate| c.matched_blocks.max(c.peer_blocks);
+        candidates
+            .iter()
+            .zip(&over)
+            .filter(|&(c, &over_c)| {
+                over_c
+                    && candidates
+                        .iter()
+                        .zip(&over)
+                        .any(|(d, &over_d)| !over_d && covers(d) >= covers(c))
+            })
+            .map(|(c, _)| c.id)
+            .collect()
+    }
+
     fn prefix(
         &self,
         affinity: u128,
@@ -371,12 +409,18 @@ impl Router {
         answer_tokens: u32,
         candidates: &[Candidate],
     ) -> Choice {
-        // Bounded load where a request would start cold: an engine whose batch still has room
-        // takes more at the cost its wait shows, one that would queue is held to the cap. An
-        // engine that caches part of the prompt is priced by its wait alone.
+        // Bounded load over the recent requests: an engine that was given `load_factor` x its
+        // share of them takes no more for now where another engine caches as much of the prompt
+        // or can fetch it, so that one hot tenant cannot swamp the engine that holds its prefix
+        // once a second one can serve it. And on the requests in flight, where a request would
+        // start cold: an engine whose batch still has room takes more at the cost its wait
+        // shows, one that would queue is held to the cap. An engine that caches part of the
+        // prompt is priced by its wait alone.
+        let over = self.over_share(candidates);
         let cap = self.inflight_cap(candidates);
         let allowed = |c: &&Candidate| {
-            c.matched_blocks > 0 || c.inflight < cap || c.inflight < u64::from(c.max_seqs)
+            !over.contains(&c.id)
+                && (c.matched_blocks > 0 || c.inflight < cap || c.inflight < u64::from(c.max_seqs))
         };
         let cost = |c: &Candidate| self.cost(c, prompt_tokens, answer_tokens);
         // The cheapest; on a tie the longer match, then the fewer in flight, then the lower
@@ -405,7 +449,7 @@ impl Router {
         }
         if candidates.iter().any(|c| c.matched_blocks > 0) {
             // A cached prefix exists, but waiting for it costs more than computing it here (or
-            // its engines are at their in-flight cap): the tenant spills.
+            // its engines were given their most of the recent requests): the tenant spills.
             return choice(best, Reason::LeastLoaded);
         }
         // Cached nowhere: the tenant's home. Its earlier requests, still in prefill there,
@@ -434,10 +478,8 @@ impl Router {
     fn home(&self, affinity: u128, candidates: &[Candidate]) -> u64 {
         let traffic: HashMap<u64, f64> = {
             let t = self.traffic.lock().unwrap_or_else(|p| p.into_inner());
-            candidates
-                .iter()
-                .map(|c| (c.id, t.get(&c.id).copied().unwrap_or(0.0)))
-                .collect()
+            let given = recent_requests(&t, candidates);
+            candidates.iter().map(|c| c.id).zip(given).collect()
         };
         let fair_traffic = traffic.values().sum::<f64>() / candidates.len() as f64;
         let mut homes = self.homes.lock().unwrap_or_else(|p| p.into_inner());
@@ -487,6 +529,25 @@ impl Router {
     pub fn forget_homes(&self) {
         self.homes.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
+}
+
+/// Each candidate's recent requests in `traffic` (see [`TRAFFIC_WINDOW`]). An engine new to the
+/// table counts as the mean of the others, as if it had had its share: it takes new tenants'
+/// homes as readily as they do, and is not given every request until it catches up with them.
+fn recent_requests(traffic: &HashMap<u64, f64>, candidates: &[Candidate]) -> Vec<f64> {
+    let known: Vec<f64> = candidates
+        .iter()
+        .filter_map(|c| traffic.get(&c.id).copied())
+        .collect();
+    let newcomer = if known.is_empty() {
+        0.0
+    } else {
+        known.iter().sum::<f64>() / known.len() as f64
+    };
+    candidates
+        .iter()
+        .map(|c| traffic.get(&c.id).copied().unwrap_or(newcomer))
+        .collect()
 }
 
 /// The shortest wait; on a tie the fewest in flight, then the lower slot.
@@ -707,7 +768,12 @@ mod tests {
 
     #[test]
     fn a_tenant_that_sends_most_requests_gets_fewer_neighbours() {
-        let r = router(Policy::Prefix);
+        // A load factor that lets one engine take most of the recent requests: the homes alone
+        // (the bound on recent requests is the next test's).
+        let r = Router::new(RouterConfig {
+            load_factor: 4.0,
+            ..router(Policy::Prefix).config()
+        });
         let c = cands(&[0, 0, 0], &[0.0, 0.0, 0.0], &[0, 0, 0]);
         let hot = r.choose(1, 300, 0, &c).unwrap().slot;
         let mut homes = [0usize; 3];
@@ -734,6 +800,50 @@ mod tests {
             count[even.choose(t, 300, 0, &c).unwrap().slot] += 1;
         }
         assert_eq!(count, [3, 3, 3]);
+    }
+
+    #[test]
+    fn one_hot_tenant_cannot_swamp_the_engine_that_holds_its_prefix() {
+        let r = router(Policy::Prefix);
+        // Two idle engines; engine 0 caches the tenant's prefix, and engine 1 can fetch it from
+        // there (so a spill costs a transfer, not a prefill).
+        let mut c = cands(&[16, 0], &[0.0, 0.0], &[0, 0]);
+        c[1].peer_blocks = 16;
+        let sent: Vec<Choice> = (0..256).map(|_| r.choose(1, 270, 0, &c).unwrap()).collect();
+        // The first requests stay with the prefix (two beyond the mean while few were routed),
+        let first = sent.iter().take_while(|x| x.slot == 0).count();
+        assert_eq!(first, 4);
+        // and from then on engine 0 takes no more than 1.25 x its share of the recent ones:
+        // of each 64, at most 40 (62.5%), and still the most it can.
+        for window in sent[64..].windows(64).step_by(16) {
+            let on_0 = window.iter().filter(|x| x.slot == 0).count();
+            assert!((36..=41).contains(&on_0), "{on_0} of 64 on engine 0");
+        }
+        let spill = sent.iter().find(|x| x.slot == 1).unwrap();
+        assert_eq!(
+            (spill.reason, spill.matched_blocks),
+            (Reason::LeastLoaded, 0)
+        );
+        // Where engine 1 could only compute the prefix, engine 0 keeps the tenant however many
+        // requests it was given: the bound moves requests, not prefixes.
+        let mut alone = c.clone();
+        alone[1].peer_blocks = 0;
+        assert!((0..64).all(|_| r.choose(1, 270, 0, &alone).unwrap().slot == 0));
+        // Round robin's even split is not forced: with no load term between them, each request
+        // goes to the cheaper engine while it may.
+        assert!(sent.iter().filter(|x| x.slot == 0).count() > 140);
+        // A third engine joins, idle and a little cheaper than engine 1. It counts as having had
+        // its share of the recent requests, so it takes about every other request (engine 0
+        // the rest, as far as its bound lets it), not nearly every one while it catches up with
+        // the others (30 of 32 when it counts as having had none).
+        let mut three = cands(&[16, 0, 0], &[0.0, 0.01, 0.0], &[0, 0, 0]);
+        three[1].peer_blocks = 16;
+        three[2].peer_blocks = 16;
+        let joined: Vec<usize> = (0..32)
+            .map(|_| r.choose(1, 270, 0, &three).unwrap().slot)
+            .collect();
+        let on_new = joined.iter().filter(|&&s| s == 2).count();
+        assert!(on_new <= 20, "{on_new} of 32 on the new engine: {joined:?}");
     }
 
     #[test]
