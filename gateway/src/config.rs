@@ -27,8 +27,10 @@
 //!                                    # after each answer) before the listeners close; <= 60000
 //! [routing]
 //! policy = "prefix"                  # prefix | round_robin | least_loaded | consistent_hash
-//! load_factor = 1.25                 # bounded load: no engine above this x the mean of the
-//!                                    # recent requests (nor, starting a prefix, of those in flight)
+//! load_factor = 1.25                 # bounded load: an engine given this x the mean of the
+//!                                    # recent requests is passed over for one that serves as much
+//!                                    # of the prompt from cache; a full batch starting a prompt
+//!                                    # cold takes none past this x the mean in flight
 //! prefill_tokens_per_sec = 1000.0    # an engine's prefill speed until it reports its own
 //! [[engines]]
 //! name = "engine-0"

@@ -19,13 +19,15 @@
 //! requests by fair queuing across tenants, so a tenant that floods an engine lengthens its own
 //! wait there, not the others': it is the one that spills. Over that, two bounded-load
 //! guarantees. On the recent requests (the last [`TRAFFIC_WINDOW`] or so, each weighed down by
-//! every later one): an engine that was given `load_factor` x its share of them takes none for
-//! now ([`TRAFFIC_SLACK`] more while few were routed) where an engine under its share caches as
-//! much of the prompt or can fetch it from a peer, so that the engine holding a hot tenant's
-//! prefix does not take most of the requests once a second one can serve them (a bound that made
-//! the second engine compute the prefix cost more cache and throughput than it evened out). On
-//! the requests in flight, for requests that would start cold (no cached prefix there): an
-//! engine whose running batch is full takes none while it has `load_factor` x its share of them
+//! every later one): an engine that was given `load_factor` x its share of them
+//! ([`TRAFFIC_SLACK`] more while few were routed) is passed over for now for an engine that
+//! serves as much of the prompt from its cache or a peer's copy, so that the engine holding a
+//! hot tenant's prefix does not take most of the requests once a second one can serve them. The
+//! bound moves requests, not prefixes: where no other engine serves as much, or for a prompt
+//! cached nowhere (its tenant's home), it does not apply (a first version, which made a second
+//! engine compute the prefix, cost more cache and throughput than it evened out). On the
+//! requests in flight, for requests that would start cold (no cached prefix there): an engine
+//! whose running batch is full takes none while it has `load_factor` x its share of them
 //! (rounded up, plus [`INFLIGHT_SLACK`]).
 //!
 //! With no match anywhere the request goes to the tenant's home engine: the first engine in
@@ -240,10 +242,6 @@ const MAX_HOMES: usize = 1 << 16;
 /// homes by traffic.
 const HOME_SPREAD: f64 = 2.0;
 
-/// Engines whose recent traffic is remembered beyond the current candidates (engines that left
-/// keep their entry until the table starts over).
-const MAX_ENGINES_REMEMBERED: usize = 256;
-
 /// The policy and the little state it keeps: the round-robin cursor, tenants' home engines
 /// and the recent requests each engine was given.
 #[derive(Debug)]
@@ -252,7 +250,7 @@ pub struct Router {
     next: AtomicUsize,
     homes: Mutex<HashMap<u128, u64>>,
     /// Engine id -> requests routed to it, each weighed down by every later decision (see
-    /// [`TRAFFIC_WINDOW`]).
+    /// [`TRAFFIC_WINDOW`]): the engines that were candidates in the last decision.
     traffic: Mutex<HashMap<u64, f64>>,
 }
 
@@ -347,10 +345,10 @@ impl Router {
     /// Counts a request routed to engine `id` in the recent traffic of `candidates`' engines.
     fn record(&self, id: u64, candidates: &[Candidate]) {
         let mut traffic = self.traffic.lock().unwrap_or_else(|p| p.into_inner());
-        if traffic.len() > candidates.len().max(MAX_ENGINES_REMEMBERED) {
-            traffic.clear();
-        }
         let given = recent_requests(&traffic, candidates);
+        // An engine that is not a candidate (gone, draining, down) is forgotten: when it is
+        // back it counts as new, with the mean, not with the count it left with.
+        traffic.clear();
         let keep = 1.0 - 1.0 / TRAFFIC_WINDOW;
         for (c, given) in candidates.iter().zip(given) {
             traffic.insert(c.id, given * keep + f64::from(u8::from(c.id == id)));
@@ -372,13 +370,10 @@ impl Router {
         ((self.config.load_factor * share).ceil() as u64).saturating_add(INFLIGHT_SLACK)
     }
 
-    /// The engines among `candidates` that were given their most of the recent requests (one
-    /// more would take an engine's share of them past `load_factor` x the mean, or the mean
-    /// plus [`TRAFFIC_SLACK`] where that is more) and that another engine, under its share,
-    /// can stand in for: it caches as many of the prompt's leading blocks, or can fetch them
-    /// from a peer. An engine with no such stand-in keeps its requests, priced by its wait: a
-    /// bound that made another engine compute the prefix cost a tenant its cache (and the
-    /// fleet its throughput) for a count.
+    /// The engines among `candidates` that were given their most of the recent requests: one
+    /// more would take an engine's share of them past `load_factor` x the mean, or the mean plus
+    /// [`TRAFFIC_SLACK`] where that is more. Never every engine: the least given is under the
+    /// mean.
     fn over_share(&self, candidates: &[Candidate]) -> Vec<u64> {
         let given = {
             let traffic = self.traffic.lock().unwrap_or_else(|p| p.into_inner());
@@ -386,18 +381,10 @@ impl Router {
         };
         let mean = (given.iter().sum::<f64>() + 1.0) / candidates.len() as f64;
         let bound = (self.config.load_factor * mean).max(mean + TRAFFIC_SLACK);
-        let over: Vec<bool> = given.iter().map(|g| g + 1.0 > bound + 1e-9).collect();
-        let covers = |c: &Candidate| c.matched_blocks.max(c.peer_blocks);
         candidates
             .iter()
-            .zip(&over)
-            .filter(|&(c, &over_c)| {
-                over_c
-                    && candidates
-                        .iter()
-                        .zip(&over)
-                        .any(|(d, &over_d)| !over_d && covers(d) >= covers(c))
-            })
+            .zip(given)
+            .filter(|(_, given)| given + 1.0 > bound + 1e-9)
             .map(|(c, _)| c.id)
             .collect()
     }
@@ -409,29 +396,56 @@ impl Router {
         answer_tokens: u32,
         candidates: &[Candidate],
     ) -> Choice {
-        // Bounded load over the recent requests: an engine that was given `load_factor` x its
-        // share of them takes no more for now where another engine caches as much of the prompt
-        // or can fetch it, so that one hot tenant cannot swamp the engine that holds its prefix
-        // once a second one can serve it. And on the requests in flight, where a request would
-        // start cold: an engine whose batch still has room takes more at the cost its wait
-        // shows, one that would queue is held to the cap. An engine that caches part of the
-        // prompt is priced by its wait alone.
-        let over = self.over_share(candidates);
+        // Bounded load on the requests in flight, where a request would start cold: an engine
+        // whose batch still has room takes more at the cost its wait shows, one that would queue
+        // is held to the cap. An engine that caches part of the prompt is priced by its wait
+        // alone.
         let cap = self.inflight_cap(candidates);
-        let allowed = |c: &&Candidate| {
-            !over.contains(&c.id)
-                && (c.matched_blocks > 0 || c.inflight < cap || c.inflight < u64::from(c.max_seqs))
+        let open = |c: &&Candidate| {
+            c.matched_blocks > 0 || c.inflight < cap || c.inflight < u64::from(c.max_seqs)
         };
         let cost = |c: &Candidate| self.cost(c, prompt_tokens, answer_tokens);
         // The cheapest; on a tie the longer match, then the fewer in flight, then the lower
         // slot.
-        let Some(best) = candidates.iter().filter(allowed).min_by(|x, y| {
-            cost(x)
-                .total_cmp(&cost(y))
-                .then(y.matched_blocks.cmp(&x.matched_blocks))
-                .then(x.inflight.cmp(&y.inflight))
-                .then(x.slot.cmp(&y.slot))
-        }) else {
+        let cheapest = |passed_over: &[u64]| {
+            candidates
+                .iter()
+                .filter(open)
+                .filter(|c| !passed_over.contains(&c.id))
+                .min_by(|x, y| {
+                    cost(x)
+                        .total_cmp(&cost(y))
+                        .then(y.matched_blocks.cmp(&x.matched_blocks))
+                        .then(x.inflight.cmp(&y.inflight))
+                        .then(x.slot.cmp(&y.slot))
+                })
+        };
+        // Bounded load over the recent requests: the engines that were given `load_factor` x
+        // their share of them are passed over, so that one hot tenant cannot swamp the engine
+        // that holds its prefix once a second one can serve it; but only for an engine that
+        // serves as much of the prompt from its cache or a peer's copy. The bound moves
+        // requests, not prefixes: a bound that made another engine compute the prefix cost a
+        // tenant its cache (and the fleet its throughput) for a count.
+        let over = self.over_share(candidates);
+        let covered = |c: &Candidate| {
+            let fetched = c
+                .peer_blocks
+                .saturating_sub(c.matched_blocks)
+                .min(MAX_PEER_FETCH_BLOCKS);
+            c.matched_blocks + fetched
+        };
+        let best = match cheapest(&over) {
+            Some(b)
+                if candidates
+                    .iter()
+                    .any(|c| over.contains(&c.id) && covered(c) > covered(b)) =>
+            {
+                cheapest(&[])
+            }
+            None => cheapest(&[]),
+            best => best,
+        };
+        let Some(best) = best else {
             let c = least_loaded(candidates);
             return Choice {
                 slot: c.slot,
@@ -452,9 +466,11 @@ impl Router {
             // its engines were given their most of the recent requests): the tenant spills.
             return choice(best, Reason::LeastLoaded);
         }
-        // Cached nowhere: the tenant's home. Its earlier requests, still in prefill there,
-        // store the prefix for its later ones, so the home is priced as a cached prefix is, by
-        // its wait, and taken while that wait costs no more than computing the prompt on the
+        // Cached nowhere: the tenant's home, over its share of the recent requests or not (its
+        // earlier requests, still queued there, will cache the prefix: going elsewhere would
+        // compute it twice). Those requests store the prefix for its later ones, so the home is
+        // priced as a cached prefix is, by its wait, and taken while that wait costs no more
+        // than computing the prompt on the
         // cheapest engine, under its in-flight cap or not. (Taking any home under the cap kept
         // tenants queueing behind a busy home while the engine beside it sat idle: with four
         // clients on two engines, a tenant's first request waited a second behind three
@@ -768,12 +784,7 @@ mod tests {
 
     #[test]
     fn a_tenant_that_sends_most_requests_gets_fewer_neighbours() {
-        // A load factor that lets one engine take most of the recent requests: the homes alone
-        // (the bound on recent requests is the next test's).
-        let r = Router::new(RouterConfig {
-            load_factor: 4.0,
-            ..router(Policy::Prefix).config()
-        });
+        let r = router(Policy::Prefix);
         let c = cands(&[0, 0, 0], &[0.0, 0.0, 0.0], &[0, 0, 0]);
         let hot = r.choose(1, 300, 0, &c).unwrap().slot;
         let mut homes = [0usize; 3];
@@ -832,18 +843,54 @@ mod tests {
         // Round robin's even split is not forced: with no load term between them, each request
         // goes to the cheaper engine while it may.
         assert!(sent.iter().filter(|x| x.slot == 0).count() > 140);
-        // A third engine joins, idle and a little cheaper than engine 1. It counts as having had
-        // its share of the recent requests, so it takes about every other request (engine 0
-        // the rest, as far as its bound lets it), not nearly every one while it catches up with
-        // the others (30 of 32 when it counts as having had none).
-        let mut three = cands(&[16, 0, 0], &[0.0, 0.01, 0.0], &[0, 0, 0]);
-        three[1].peer_blocks = 16;
+    }
+
+    #[test]
+    fn the_bound_on_recent_requests_moves_requests_not_prefixes() {
+        // Engine 0 caches the prompt, engine 1 can fetch it from there, engine 2 cannot.
+        let r = router(Policy::Prefix);
+        let mut c = cands(&[16, 0, 0], &[0.0, 0.0, 0.0], &[0, 0, 0]);
+        c[1].peer_blocks = 16;
+        let warm: Vec<usize> = (0..128)
+            .map(|_| r.choose(1, 270, 0, &c).unwrap().slot)
+            .collect();
+        assert_eq!(warm.iter().filter(|&&s| s == 2).count(), 0, "{warm:?}");
+        assert!(warm[64..].iter().filter(|&&s| s == 1).count() > 10);
+        // Engine 1's queue grows to 5 s. Computing the prompt on the idle engine 2 costs less
+        // than that, but engine 0, over its share, is passed over only for an engine that serves
+        // as much of the prompt: engine 0 takes the requests until its queue costs more too.
+        c[1].wait_secs = 5.0;
+        for _ in 0..8 {
+            assert_eq!(r.choose(1, 270, 0, &c).unwrap().slot, 0);
+        }
+        c[0].wait_secs = 5.0;
+        assert_eq!(r.choose(1, 270, 0, &c).unwrap().slot, 2);
+    }
+
+    #[test]
+    fn an_engine_that_joins_counts_as_having_had_its_share() {
+        // Two engines that both cache the prompt, each at its share of the recent requests
+        // (engine 0 takes them until it is over, then engine 1).
+        let r = router(Policy::Prefix);
+        let two = cands(&[16, 16], &[0.0, 0.0], &[0, 0]);
+        for _ in 0..128 {
+            r.choose(1, 270, 0, &two).unwrap();
+        }
+        // A third joins, which can fetch the prompt (its transfer makes it the dearer). Counted
+        // as having had the mean, it takes what the cost gives it: nothing while the other two
+        // have room under the bound. Counted from none, the other two would be over their share
+        // for a while and it would take a run of requests, each a fetch.
+        let mut three = cands(&[16, 16, 0], &[0.0, 0.0, 0.0], &[0, 0, 0]);
         three[2].peer_blocks = 16;
         let joined: Vec<usize> = (0..32)
             .map(|_| r.choose(1, 270, 0, &three).unwrap().slot)
             .collect();
         let on_new = joined.iter().filter(|&&s| s == 2).count();
-        assert!(on_new <= 20, "{on_new} of 32 on the new engine: {joined:?}");
+        assert!(on_new <= 2, "{on_new} of 32 on the new engine: {joined:?}");
+        // An engine that leaves and comes back counts as new again, not with the count it left
+        // with: engine 0, last at its bound, takes the next request again.
+        r.choose(1, 270, 0, &three[1..]).unwrap();
+        assert_eq!(r.choose(1, 270, 0, &three).unwrap().slot, 0);
     }
 
     #[test]
