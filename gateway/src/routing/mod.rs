@@ -141,6 +141,14 @@ pub struct Candidate {
 }
 
 impl Candidate {
+    /// Blocks it would fetch from a peer rather than compute: the peer's lead over its own
+    /// match, at most [`MAX_PEER_FETCH_BLOCKS`].
+    pub fn fetched_blocks(&self) -> u32 {
+        self.peer_blocks
+            .saturating_sub(self.matched_blocks)
+            .min(MAX_PEER_FETCH_BLOCKS)
+    }
+
     /// Requests whose steps a prefill here lengthens: those in flight on it, or on every
     /// engine that shares its compute.
     pub fn beside(&self) -> f64 {
@@ -328,8 +336,7 @@ impl Router {
     /// engines that both cache a prefix even.
     fn cost(&self, c: &Candidate, prompt_tokens: usize, answer_tokens: u32) -> f64 {
         let block = self.config.block_size as usize;
-        let fetched =
-            (c.peer_blocks.saturating_sub(c.matched_blocks)).min(MAX_PEER_FETCH_BLOCKS) as usize;
+        let fetched = c.fetched_blocks() as usize;
         let uncached = self.uncached(c, prompt_tokens);
         let fetched_tokens = (fetched * block).min(uncached);
         let computed = (uncached - fetched_tokens) as f64;
@@ -427,13 +434,7 @@ impl Router {
         // requests, not prefixes: a bound that made another engine compute the prefix cost a
         // tenant its cache (and the fleet its throughput) for a count.
         let over = self.over_share(candidates);
-        let covered = |c: &Candidate| {
-            let fetched = c
-                .peer_blocks
-                .saturating_sub(c.matched_blocks)
-                .min(MAX_PEER_FETCH_BLOCKS);
-            c.matched_blocks + fetched
-        };
+        let covered = |c: &Candidate| c.matched_blocks + c.fetched_blocks();
         let best = match cheapest(&over) {
             Some(b)
                 if candidates
