@@ -127,8 +127,10 @@ pub struct PeerFetches {
     /// Waited for a transfer of the same blocks that another request here ran, which left
     /// nothing more to fetch (or no time).
     pub joined: u64,
-    /// Every transfer slot was taken: computed instead.
+    /// Every transfer slot stayed taken until the fetch's time limit: computed instead.
     pub refused: u64,
+    /// The peer failed, timed out or was busy moments before: not asked, computed instead.
+    pub held_off: u64,
 }
 
 impl PeerFetches {
@@ -140,6 +142,7 @@ impl PeerFetches {
             "timed_out" => self.timed_out += 1,
             "joined" => self.joined += 1,
             "refused" => self.refused += 1,
+            "held_off" => self.held_off += 1,
             _ => self.failed += 1,
         }
     }

@@ -268,6 +268,10 @@ fn a_prefix_comes_from_the_peer_that_holds_it_and_a_bad_peer_costs_only_a_recomp
             fresh.metric("kvgate_kv_tier_hit_tokens_total{tier=\"peer\"}"),
             0.0
         );
+        // Named again at once, the peer is not asked: it failed moments ago.
+        let (again, _) = gated_ask(&fresh, "acme", &prompt, &[("x-kvgate-prefix-peer", url)]);
+        assert_eq!(again, want);
+        assert_eq!(fetches(&fresh, "held_off"), 1.0, "{url} was asked again");
     }
 
     // The transfer endpoint is the engines' own: no token, no blocks.
@@ -545,6 +549,74 @@ fn requests_that_want_the_same_blocks_share_one_transfer() {
     );
     assert_eq!(result("refused"), 0.0, "a request found no transfer slot");
     assert_eq!(result("complete") + result("joined"), 4.0);
+}
+
+/// A request told to fetch while both of its engine's transfer slots are taken (two other
+/// prompts, which their holder is still computing) waits for a slot, within its time limit,
+/// and fetches its prompt, rather than computing it.
+#[test]
+fn a_fetch_waits_for_a_transfer_slot() {
+    let ready = long_prompt("volcanoes");
+    let slow = [long_prompt("glaciers"), long_prompt("deserts")];
+    // One block a step: the holder takes many steps over the two slow prompts.
+    let (holder, peer) = holder("max_batched_tokens = 16");
+    let (want, _) = gated_ask(&holder, "acme", &ready, &[]);
+    let taker = new_taker();
+    // The prompts' shared leading blocks (the chat template's, and the first words), computed
+    // on the taker: each fetch then starts at a block of its own, and none joins another's
+    // transfer.
+    gated_ask(&taker, "acme", &long_prompt("tundra"), &[]);
+    let hint = [("x-kvgate-prefix-peer", peer.as_str())];
+    let (got, cached) = std::thread::scope(|scope| {
+        let computing: Vec<_> = slow
+            .iter()
+            .map(|p| scope.spawn(|| gated_ask(&holder, "acme", p, &[])))
+            .collect();
+        wait_for_sequences(&holder, 2);
+        // Both of the taker's transfer slots, each waiting for the holder's prefill.
+        let fetching: Vec<_> = slow
+            .iter()
+            .map(|p| scope.spawn(|| gated_ask(&taker, "acme", p, &hint)))
+            .collect();
+        let started = std::time::Instant::now();
+        while holder.metric("kvgate_kv_peer_export_waits_total") < 2.0 {
+            assert!(
+                started.elapsed().as_secs() < 120,
+                "the transfers never waited for the holder"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        assert_eq!(
+            holder.metric("kvgate_kv_peer_exports_total{result=\"served\"}"),
+            0.0,
+            "a transfer ended before the test asked: it needs a slower holder"
+        );
+        let asked = gated_ask(&taker, "acme", &ready, &hint);
+        for t in computing.into_iter().chain(fetching) {
+            t.join().unwrap();
+        }
+        asked
+    });
+    assert_eq!(got, want);
+    assert_eq!(fetches(&taker, "refused"), 0.0, "the request found no slot");
+    assert!(cached >= 192, "only {cached} tokens cached");
+    assert_eq!(
+        fetches(&taker, "joined"),
+        0.0,
+        "the test needs transfers of their own"
+    );
+}
+
+/// Waits until engine `e` has `n` sequence groups running or waiting.
+fn wait_for_sequences(e: &Engine, n: usize) {
+    let started = std::time::Instant::now();
+    while e.metric("kvgate_sequences{state=\"running\"}")
+        + e.metric("kvgate_sequences{state=\"waiting\"}")
+        < n as f64
+    {
+        assert!(started.elapsed().as_secs() < 120, "nothing was scheduled");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
 }
 
 /// A requester that leaves while its ask waits for the holder to compute a block frees the

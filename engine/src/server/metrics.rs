@@ -323,6 +323,7 @@ fn tier_metrics(o: &mut String, t: &crate::stats::TierStats) {
             ("timed_out", f.timed_out as f64),
             ("joined", f.joined as f64),
             ("refused", f.refused as f64),
+            ("held_off", f.held_off as f64),
         ],
     );
     scalar(

@@ -16,7 +16,8 @@
 //!   Each good block enters the host tier. Then the request is admitted and promoted like any
 //!   host-tier hit. The transfer has a time limit. A peer that is slow, down, busy, or sends one
 //!   bad frame costs only that: the rest is computed, and the peer is not asked again for a
-//!   while. At most [`MAX_FETCHES`] run at once.
+//!   while. At most [`MAX_FETCHES`] run at once; a request that finds them all running waits for
+//!   one within its time limit (a transfer takes far less than the prefill it spares).
 //! - **Serving a fetch.** Blocks come from the device pool and the host tier, in order, and stop
 //!   at the first block neither holds. The engine thread reads them between its steps, or
 //!   between the layers of a step in progress (every block but those the step writes was
@@ -58,7 +59,8 @@ pub const PEER_HEADER: &str = "x-kvgate-prefix-peer";
 pub const MAX_FETCH_BLOCKS: usize = 1024;
 /// Transfers served at once; more are refused (503), and their requester computes instead.
 pub const MAX_EXPORTS: usize = 2;
-/// Transfers this engine runs at once as the requester; a request past it computes instead.
+/// Transfers this engine runs at once as the requester; a request past it waits for one to end,
+/// within its fetch's time limit, and computes its prompt if none does.
 pub const MAX_FETCHES: usize = 2;
 /// The most block bytes a transfer reads from the engine thread at once (and holds in memory).
 const EXPORT_CHUNK_BYTES: usize = 32 << 20;
@@ -307,10 +309,15 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
     let started = Instant::now();
     let mut limit = None;
     let mut joined = false;
-    // At most two rounds: wait for a transfer of the same blocks, then fetch what it left.
+    // A transfer slot waited for, and this transfer's entry (kept while it waited, so that
+    // requests for the same blocks join it rather than queue for a slot of their own).
+    let mut slot = None;
+    // At most three rounds: wait for a transfer of the same blocks, or for a transfer slot, then
+    // fetch what is missing.
     let (from, want, _permit, _running) = loop {
         // Checked each round: the transfer waited for may have found the peer down.
         if state.peer_backoff.blocked(peer) {
+            record_fetch(state, "held_off", 0, started);
             return 0;
         }
         let Some((from, want)) = missing_run(state, scope, prompt).await else {
@@ -328,6 +335,9 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
             }
             return 0;
         };
+        if let Some((permit, running)) = slot.take() {
+            break (from, want, permit, running);
+        }
         let running = match state.fetching.join_or_start(peer, first) {
             Ok(running) => running,
             Err(mut done) if !joined => {
@@ -342,11 +352,19 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
                 return 0;
             }
         };
-        let Ok(permit) = state.fetches.try_acquire() else {
-            record_fetch(state, "refused", 0, started);
-            return 0;
-        };
-        break (from, want, permit, running);
+        if let Ok(permit) = state.fetches.try_acquire() {
+            break (from, want, permit, running);
+        }
+        // Every transfer slot is taken: a transfer takes far less than computing the prompt,
+        // so the request waits for one, within its time limit, and then looks again at what is
+        // missing (the request's own engine may have computed some of it meanwhile).
+        match tokio::time::timeout(left, state.fetches.acquire()).await {
+            Ok(Ok(permit)) => slot = Some((permit, running)),
+            _ => {
+                record_fetch(state, "refused", 0, started);
+                return 0;
+            }
+        }
     };
     let limit = limit.unwrap_or_default().saturating_sub(started.elapsed());
     let ask_body = ExportBody {
@@ -486,8 +504,11 @@ async fn transfer(
     }
     if done == want.len() {
         Ended::Complete
-    } else {
+    } else if buf.is_empty() {
         Ended::Partial
+    } else {
+        // A peer ends a short transfer after a whole frame: these bytes are not one.
+        Ended::Failed("the transfer ended inside a frame".into())
     }
 }
 
