@@ -127,7 +127,7 @@ pub struct PeerFetches {
     /// Waited for a transfer of the same blocks that another request here ran, which left
     /// nothing more to fetch (or no time).
     pub joined: u64,
-    /// Every transfer slot stayed taken until the fetch's time limit: computed instead.
+    /// Every transfer slot stayed taken as long as the request could wait: computed instead.
     pub refused: u64,
     /// The peer failed, timed out or was busy moments before: not asked, computed instead.
     pub held_off: u64,

@@ -17,7 +17,8 @@
 //!   host-tier hit. The transfer has a time limit. A peer that is slow, down, busy, or sends one
 //!   bad frame costs only that: the rest is computed, and the peer is not asked again for a
 //!   while. At most [`MAX_FETCHES`] run at once; a request that finds them all running waits for
-//!   one within its time limit (a transfer takes far less than the prefill it spares).
+//!   one (a transfer takes far less than the prefill it spares), within its time limit and no
+//!   longer than computing its prompt here would take.
 //! - **Serving a fetch.** Blocks come from the device pool and the host tier, in order, and stop
 //!   at the first block neither holds. The engine thread reads them between its steps, or
 //!   between the layers of a step in progress (every block but those the step writes was
@@ -59,8 +60,9 @@ pub const PEER_HEADER: &str = "x-kvgate-prefix-peer";
 pub const MAX_FETCH_BLOCKS: usize = 1024;
 /// Transfers served at once; more are refused (503), and their requester computes instead.
 pub const MAX_EXPORTS: usize = 2;
-/// Transfers this engine runs at once as the requester; a request past it waits for one to end,
-/// within its fetch's time limit, and computes its prompt if none does.
+/// Transfers this engine runs at once as the requester; a request past it waits for one to end
+/// (within its fetch's time limit, and no longer than computing its prompt would take), and
+/// computes its prompt if none does.
 pub const MAX_FETCHES: usize = 2;
 /// The most block bytes a transfer reads from the engine thread at once (and holds in memory).
 const EXPORT_CHUNK_BYTES: usize = 32 << 20;
@@ -355,10 +357,12 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
         if let Ok(permit) = state.fetches.try_acquire() {
             break (from, want, permit, running);
         }
-        // Every transfer slot is taken: a transfer takes far less than computing the prompt,
+        // Every transfer slot is taken. A transfer takes far less than computing the prompt,
         // so the request waits for one, within its time limit, and then looks again at what is
-        // missing (the request's own engine may have computed some of it meanwhile).
-        match tokio::time::timeout(left, state.fetches.acquire()).await {
+        // missing (its own engine may have computed some of it meanwhile); but no longer than
+        // computing it here would take, the requests in flight slowed included.
+        let wait = left.min(prefill_time(state, prompt.len()));
+        match tokio::time::timeout(wait, state.fetches.acquire()).await {
             Ok(Ok(permit)) => slot = Some((permit, running)),
             _ => {
                 record_fetch(state, "refused", 0, started);
@@ -404,6 +408,17 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
     }
     record_fetch(state, result, blocks, started);
     blocks
+}
+
+/// How long this engine would take to compute `tokens` prompt tokens, counted as the gateway
+/// prices a prefill: for the request and for each one running beside it, whose steps it
+/// lengthens, at the measured seconds per token (zero before any step was measured).
+fn prefill_time(state: &ServerState, tokens: usize) -> Duration {
+    let (secs_per_token, running) = state
+        .metrics
+        .update(|m| (m.load.secs_per_token, m.load.running));
+    let secs = tokens as f64 * secs_per_token * (1.0 + f64::from(running));
+    Duration::try_from_secs_f64(secs).unwrap_or(Duration::ZERO)
 }
 
 /// Counts a fetch that ended with `result`, having brought `blocks`.
