@@ -37,6 +37,8 @@ pub struct ServerState {
     pub model_id: String,
     pub context_len: usize,
     pub vocab_size: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
     pub renderer: Arc<PromptRenderer>,
     /// Compiles structured-output grammars; `None` when the tokenizer is not one llguidance
     /// reads (structured outputs are then refused).
@@ -152,6 +154,11 @@ async fn route(
         (Method::GET, "/health/live") => admin::liveness(&state),
         (Method::GET, "/metrics") => {
             let mut text = metrics::render(&state.metrics);
+            metrics::render_transfers(
+                &mut text,
+                peer::MAX_FETCHES.saturating_sub(state.fetches.available_permits()),
+                peer::MAX_EXPORTS.saturating_sub(state.exports.available_permits()),
+            );
             state.tracer.render_metrics("kvgate_engine", &mut text);
             http::text_response("text/plain; version=0.0.4; charset=utf-8", text)
         }

@@ -129,7 +129,8 @@ pub struct PeerFetches {
     pub joined: u64,
     /// Every transfer slot stayed taken as long as the request could wait: computed instead.
     pub refused: u64,
-    /// The peer failed, timed out or was busy moments before: not asked, computed instead.
+    /// The peer failed, was busy, or did not answer in time moments before: not asked,
+    /// computed instead.
     pub held_off: u64,
 }
 

@@ -73,6 +73,15 @@ pub const PRIOR_DISK_LOAD_SECS_PER_BLOCK: f64 = 0.002;
 /// Seconds to fetch one block from a peer engine (framed, MACed, over the network) and stage it.
 pub const PRIOR_PEER_LOAD_SECS_PER_BLOCK: f64 = 0.002;
 
+/// Seconds a transfer of `blocks` blocks from a peer takes: each block's
+/// [`PRIOR_PEER_LOAD_SECS_PER_BLOCK`], and one block's more for the ask and its answer.
+pub fn peer_fetch_secs(blocks: usize) -> f64 {
+    if blocks == 0 {
+        return 0.0;
+    }
+    blocks.saturating_add(1) as f64 * PRIOR_PEER_LOAD_SECS_PER_BLOCK
+}
+
 /// How long an engine waits for a peer fetch of `blocks` blocks before it computes what has not
 /// come: a second, plus about a block's prefill on a slow CPU per block (a peer still computing
 /// the prompt sends each block when a step has computed it, and one step of a CPU's prefill may

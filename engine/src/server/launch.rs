@@ -237,6 +237,7 @@ fn start_on<B: Backend + 'static>(
         model_id,
         context_len: model_config.max_position_embeddings,
         vocab_size: model_config.vocab_size,
+        block_size: config.kv.block_size as usize,
         renderer,
         grammars,
         grammar_gate: Default::default(),

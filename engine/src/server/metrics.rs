@@ -11,6 +11,18 @@ pub fn render(stats: &Stats) -> String {
     stats.update(|m| render_stats(m))
 }
 
+/// Appends the peer transfers running now: `fetching` as the requester, `serving` for peers.
+pub fn render_transfers(out: &mut String, fetching: usize, serving: usize) {
+    by_label(
+        out,
+        "kvgate_kv_peer_transfers",
+        "gauge",
+        "Peer transfers running now, by this engine's role in them.",
+        "role",
+        &[("fetching", fetching as f64), ("serving", serving as f64)],
+    );
+}
+
 fn header(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}");
     let _ = writeln!(out, "# TYPE {name} {kind}");

@@ -17,8 +17,8 @@
 //!   host-tier hit. The transfer has a time limit. A peer that is slow, down, busy, or sends one
 //!   bad frame costs only that: the rest is computed, and the peer is not asked again for a
 //!   while. At most [`MAX_FETCHES`] run at once; a request that finds them all running waits for
-//!   one (a transfer takes far less than the prefill it spares), within its time limit and no
-//!   longer than computing its prompt here would take.
+//!   one (a transfer takes far less than the prefill it spares), within its time limit and only
+//!   while the transfer would still end before computing the blocks here would.
 //! - **Serving a fetch.** Blocks come from the device pool and the host tier, in order, and stop
 //!   at the first block neither holds. The engine thread reads them between its steps, or
 //!   between the layers of a step in progress (every block but those the step writes was
@@ -61,8 +61,8 @@ pub const MAX_FETCH_BLOCKS: usize = 1024;
 /// Transfers served at once; more are refused (503), and their requester computes instead.
 pub const MAX_EXPORTS: usize = 2;
 /// Transfers this engine runs at once as the requester; a request past it waits for one to end
-/// (within its fetch's time limit, and no longer than computing its prompt would take), and
-/// computes its prompt if none does.
+/// (within its fetch's time limit, and only while its transfer would still end before computing
+/// the blocks would), and computes them if none does.
 pub const MAX_FETCHES: usize = 2;
 /// The most block bytes a transfer reads from the engine thread at once (and holds in memory).
 const EXPORT_CHUNK_BYTES: usize = 32 << 20;
@@ -94,7 +94,7 @@ impl Backoff {
 }
 
 /// The transfers this engine runs as the requester, by peer and first block asked for: one entry
-/// a transfer, from just before it takes a transfer slot until it ends.
+/// a transfer, from just before it takes (or waits for) a transfer slot until it ends.
 #[derive(Debug, Default)]
 pub struct Fetching(Mutex<HashMap<(String, BlockHash), Done>>);
 
@@ -317,11 +317,6 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
     // At most three rounds: wait for a transfer of the same blocks, or for a transfer slot, then
     // fetch what is missing.
     let (from, want, _permit, _running) = loop {
-        // Checked each round: the transfer waited for may have found the peer down.
-        if state.peer_backoff.blocked(peer) {
-            record_fetch(state, "held_off", 0, started);
-            return 0;
-        }
         let Some((from, want)) = missing_run(state, scope, prompt).await else {
             return 0;
         };
@@ -337,6 +332,11 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
             }
             return 0;
         };
+        // Checked each round: the transfer waited for may have found the peer down.
+        if state.peer_backoff.blocked(peer) {
+            record_fetch(state, "held_off", 0, started);
+            return 0;
+        }
         if let Some((permit, running)) = slot.take() {
             break (from, want, permit, running);
         }
@@ -357,11 +357,15 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
         if let Ok(permit) = state.fetches.try_acquire() {
             break (from, want, permit, running);
         }
-        // Every transfer slot is taken. A transfer takes far less than computing the prompt,
-        // so the request waits for one, within its time limit, and then looks again at what is
-        // missing (its own engine may have computed some of it meanwhile); but no longer than
-        // computing it here would take, the requests in flight slowed included.
-        let wait = left.min(prefill_time(state, prompt.len()));
+        // Every transfer slot is taken. A transfer takes far less than computing the blocks, so
+        // the request waits for one, and then looks again at what is missing (its own engine
+        // may have computed some of it meanwhile); but only while the transfer would still end
+        // before computing them here would, and within its time limit.
+        let missing = (want.len() * state.block_size).min(prompt.len());
+        let transfer = Duration::from_secs_f64(kvgate_protocol::load::peer_fetch_secs(want.len()));
+        let wait = left
+            .min(prefill_time(state, missing))
+            .saturating_sub(transfer);
         match tokio::time::timeout(wait, state.fetches.acquire()).await {
             Ok(Ok(permit)) => slot = Some((permit, running)),
             _ => {
@@ -371,6 +375,9 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
         }
     };
     let limit = limit.unwrap_or_default().saturating_sub(started.elapsed());
+    // What waiting for a slot left of the time limit: a transfer cut short in less than the
+    // least limit says nothing of the peer.
+    let cut_short = limit.as_secs_f64() < kvgate_protocol::load::peer_fetch_limit_secs(0);
     let ask_body = ExportBody {
         scope: scope.to_owned(),
         tokens: prompt.to_vec(),
@@ -399,7 +406,8 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
         Ended::Busy => state.peer_backoff.hold_off(peer),
         // Cut short while the peer was sending, or computing what it sends (it answered, and
         // holds the blocks it will compute back until a step has computed them): it works.
-        Ended::Failed(why) if why == "timed out" && got.answered.load(Ordering::SeqCst) => {}
+        Ended::Failed(why)
+            if why == "timed out" && (cut_short || got.answered.load(Ordering::SeqCst)) => {}
         Ended::Failed(why) => {
             tracing::warn!(peer, %why, "a peer transfer failed; the rest is computed");
             state.peer_backoff.hold_off(peer);
@@ -410,14 +418,12 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
     blocks
 }
 
-/// How long this engine would take to compute `tokens` prompt tokens, counted as the gateway
-/// prices a prefill: for the request and for each one running beside it, whose steps it
-/// lengthens, at the measured seconds per token (zero before any step was measured).
+/// How long this engine would take to compute `tokens` prompt tokens, beside its running
+/// batch, at its measured step costs (zero before it has measured any).
 fn prefill_time(state: &ServerState, tokens: usize) -> Duration {
-    let (secs_per_token, running) = state
+    let secs = state
         .metrics
-        .update(|m| (m.load.secs_per_token, m.load.running));
-    let secs = tokens as f64 * secs_per_token * (1.0 + f64::from(running));
+        .update(|m| m.load.prefill_secs(tokens as u64, 0.0));
     Duration::try_from_secs_f64(secs).unwrap_or(Duration::ZERO)
 }
 

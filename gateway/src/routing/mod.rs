@@ -218,15 +218,10 @@ pub const TRAFFIC_WINDOW: f64 = 64.0;
 /// not worth.
 pub const PEER_MIN_GAIN_BLOCKS: u32 = 4;
 
-/// Seconds a transfer of `blocks` blocks from a peer takes: each block's
-/// [`PRIOR_PEER_LOAD_SECS_PER_BLOCK`], and one block's more for the ask and its answer.
-///
-/// [`PRIOR_PEER_LOAD_SECS_PER_BLOCK`]: kvgate_protocol::load::PRIOR_PEER_LOAD_SECS_PER_BLOCK
+/// Seconds a transfer of `blocks` blocks from a peer takes
+/// ([`kvgate_protocol::load::peer_fetch_secs`]).
 pub fn peer_fetch_secs(blocks: u32) -> f64 {
-    if blocks == 0 {
-        return 0.0;
-    }
-    f64::from(blocks.saturating_add(1)) * kvgate_protocol::load::PRIOR_PEER_LOAD_SECS_PER_BLOCK
+    kvgate_protocol::load::peer_fetch_secs(blocks as usize)
 }
 
 /// Most blocks a peer fetch is counted for (an engine with the staging host tier fetches at
