@@ -232,6 +232,16 @@ def kv_cache():
           description="Blocks demoted (device to host, host to disk) and promoted back; disk "
           "blocks that failed their checksum (deleted, recomputed); the disk tier is off "
           "(disk up = 0) after a full disk, which alerts (KvgateDiskTierOff).")
+    L.add("Peer fetches /s by result, and transfers running",
+          [q(f"sum by (result) (rate(kvgate_kv_peer_fetches_total{{{ENGINE}}}{RATE}))",
+             "{{result}}"),
+           q(f"sum by (role) (kvgate_kv_peer_transfers{{{ENGINE}}})", "running: {{role}}")],
+          w=24, unit="short",
+          description="Prefix fetches from peer engines (the gateway names the peer that holds "
+          "a request's prefix) by how they ended: complete or partial (blocks came), joined "
+          "(another request's transfer brought them), refused (no transfer slot freed in time), "
+          "held_off (the peer failed moments before), busy, failed, timed_out; and the "
+          "transfers running now, as requester and for peers (at most 2 of each).")
     L.add("KV blocks per tenant (against quota)",
           [q(f"max by (tenant) (kvgate_tenant_kv_blocks{{{TENANT}}})", "{{tenant}}"),
            q(f"max by (tenant) (kvgate_tenant_kv_quota_blocks{{{TENANT}}})", "quota {{tenant}}"),

@@ -659,6 +659,9 @@ struct Simulation<'a> {
     sent: Vec<f64>,
     /// Per request: the prompt tokens its engine was routed for (the gateway's queued count).
     routed_tokens: Vec<u64>,
+    /// Whether request `i`'s prompt counts as computing on its engine in the index until it ends
+    /// (as the gateway counts it: every request not told to fetch).
+    computing: Vec<bool>,
     /// Per request: its prompt tokens not cached when it joined its engine's queue.
     queued_tokens: Vec<u64>,
     /// Requests sent and not yet answered.
@@ -735,6 +738,7 @@ impl<'a> Simulation<'a> {
             started: vec![0.0; n],
             sent: vec![0.0; n],
             routed_tokens: vec![0; n],
+            computing: vec![false; n],
             queued_tokens: vec![0; n],
             outstanding: 0,
             busy: 0,
@@ -878,6 +882,10 @@ impl<'a> Simulation<'a> {
             for h in &r.hashes {
                 *e.pending.entry(h.0).or_default() += 1;
             }
+        }
+        if peer.is_none() && !oracle {
+            self.index.route(slot, &r.hashes);
+            self.computing[i] = true;
         }
         match peer {
             Some((from, n)) => {
@@ -1224,6 +1232,9 @@ impl<'a> Simulation<'a> {
         });
         for &(i, private) in &finished {
             let r = &trace.requests[i];
+            if std::mem::take(&mut self.computing[i]) {
+                self.index.unroute(slot, &r.hashes);
+            }
             e.private -= private;
             for h in r.hashes.iter().rev() {
                 match e.held.get_mut(&h.0) {

@@ -33,11 +33,12 @@
 //! With no match anywhere the request goes to the tenant's home engine: the first engine in
 //! rendezvous order (of the tenant's system-prompt hash) that has had no more than its share of
 //! the recent requests (and is home to at most twice its share of tenants), so that a tenant
-//! that sends a third of the traffic is not given other tenants' homes beside it. The home is
-//! priced as a cached prefix is, by its wait (the tenant's earlier requests, still in prefill
-//! there, store the prefix for the later ones), and kept while that wait costs no more than
-//! computing the prompt on the cheapest engine; otherwise the tenant moves to where the request
-//! goes.
+//! that sends a third of the traffic is not given other tenants' homes beside it. While the
+//! tenant's earlier requests are computing its prefix there (queued or in prefill; the gateway
+//! counts a request's prompt as computing on its engine until the request ends), the home is
+//! priced as a cached prefix is, by its wait, and kept while that wait costs no more than
+//! computing the prompt on the cheapest engine; with none there, it is priced as any engine is,
+//! and kept on a tie. Otherwise the tenant moves to where the request goes.
 //!
 //! `round_robin`, `least_loaded` (the shortest wait) and `consistent_hash` (plain rendezvous, no
 //! load bound) are there for comparison.
@@ -138,6 +139,9 @@ pub struct Candidate {
     /// KV blocks free and holding nothing (0 when unknown, and for engines that share their
     /// compute): a request's new blocks beyond these evict cached prefixes.
     pub free_blocks: u64,
+    /// Where no candidate caches any of the prompt: its leading blocks that requests routed
+    /// here and not ended are computing (else 0).
+    pub computing_blocks: u32,
 }
 
 impl Candidate {
@@ -462,18 +466,29 @@ impl Router {
             // its engines were given their most of the recent requests): the tenant spills.
             return choice(best, Reason::LeastLoaded);
         }
-        // Cached nowhere: the tenant's home, over its share of the recent requests or not (its
-        // earlier requests, still queued there, will cache the prefix: going elsewhere would
-        // compute it twice). Those requests store the prefix for its later ones, so the home is
-        // priced as a cached prefix is, by its wait, and taken while that wait costs no more
-        // than computing the prompt on the
-        // cheapest engine, under its in-flight cap or not. (Taking any home under the cap kept
-        // tenants queueing behind a busy home while the engine beside it sat idle: with four
-        // clients on two engines, a tenant's first request waited a second behind three
-        // others, and the fleet ran 7% below the load-only policies.)
+        // Cached nowhere: the tenant's home, over its share of the recent requests or not. Where
+        // its earlier requests are computing the prefix there (still queued, or in prefill),
+        // they store it for this one, so the home is priced as a cached prefix is, by its wait,
+        // and taken while that wait costs no more than computing the prompt on the cheapest
+        // engine, under its in-flight cap or not: going elsewhere would compute it twice.
+        // (Taking any home under the cap kept tenants queueing behind a busy home while the
+        // engine beside it sat idle: with four clients on two engines, a tenant's first request
+        // waited a second behind three others, and the fleet ran 7% below the load-only
+        // policies.) Where none is, this request computes it wherever it goes, so the home is
+        // priced as any engine is, and kept on a tie. (Priced by its wait alone, a tenant's
+        // first request queued behind the other tenants' first prefills at their common home
+        // while the engine serving a hot tenant from cache, whose batch a prefill lengthens,
+        // looked dearer: its later requests then computed the prefix again beside it.)
         let home = self.home(affinity, candidates);
+        let home_price = |c: &Candidate| {
+            if c.computing_blocks > 0 {
+                c.wait_secs
+            } else {
+                cost(c)
+            }
+        };
         match candidates.iter().find(|c| c.id == home) {
-            Some(c) if c.wait_secs <= cost(best) => choice(c, Reason::Affinity),
+            Some(c) if home_price(c) <= cost(best) => choice(c, Reason::Affinity),
             _ => {
                 // The prefix will live where this request computes it: the tenant's next cold
                 // requests (this one may still be in prefill) follow it there.
@@ -620,6 +635,7 @@ mod tests {
                 secs_per_token: SPT,
                 max_seqs: 0,
                 free_blocks: 0,
+                computing_blocks: 0,
             })
             .collect()
     }
@@ -906,14 +922,15 @@ mod tests {
         }
         // Six tenants on three engines: two each.
         assert_eq!(per_engine, [2, 2, 2]);
-        // A busy home is kept while its wait is shorter than computing the prompt elsewhere
-        // (the tenant's requests in prefill there store its prefix for the next ones); a home
-        // whose queue is longer is passed over, at its in-flight cap or not: an idle engine
-        // beside it would otherwise wait while the tenant queues.
+        // A busy home that computes the tenant's prompt for its earlier requests is kept while
+        // its wait is shorter than computing the prompt elsewhere (those requests store the
+        // prefix for this one); a home whose queue is longer is passed over, at its in-flight
+        // cap or not: an idle engine beside it would otherwise wait while the tenant queues.
         let home = r.choose(0, 300, 0, &c).unwrap().slot;
         let mut busy = c.clone();
         busy[home].wait_secs = 0.25;
         busy[home].inflight = 4;
+        busy[home].computing_blocks = 18;
         assert_eq!(r.choose(0, 300, 0, &busy).unwrap().slot, home);
         busy[home].wait_secs = 10.0;
         let other = r.choose(0, 300, 0, &busy).unwrap();
@@ -929,7 +946,54 @@ mod tests {
         let mut capped = c.clone();
         capped[home].inflight = 5;
         capped[home].wait_secs = 0.25;
+        capped[home].computing_blocks = 18;
         assert_eq!(r.choose(t, 300, 0, &capped).unwrap().slot, home);
+    }
+
+    #[test]
+    fn a_tenants_first_request_is_priced_at_its_home_as_anywhere() {
+        // Engine 0 serves a hot tenant from cache: six requests in flight, no queue. Engine 1,
+        // the new tenant's home, has a second of other tenants' prefills queued and four
+        // requests in flight. Its wait alone (1 s) is less than a prefill beside engine 0's six
+        // (0.3 s x 7 + the cache it takes, 2.4 s), but the request computes its prompt wherever
+        // it goes: at the home that is the wait and a prefill beside four (1 + 0.3 x 5 + 0.3 =
+        // 2.8 s). It goes to engine 0, and the tenant lives there now.
+        let r = router(Policy::Prefix);
+        let idle = cands(&[0, 0], &[0.0, 0.0], &[0, 0]);
+        let tenant = (0..100u128)
+            .map(|t| t * 7919)
+            .find(|&t| {
+                router(Policy::Prefix)
+                    .choose(t, 300, 0, &idle)
+                    .unwrap()
+                    .slot
+                    == 1
+            })
+            .unwrap();
+        let c = cands(&[0, 0], &[0.0, 1.0], &[6, 4]);
+        let first = r.choose(tenant, 300, 0, &c).unwrap();
+        assert_eq!((first.slot, first.reason), (0, Reason::LeastLoaded));
+        // Its next request, while the first computes the prompt on engine 0, follows it there
+        // (priced by engine 0's wait, nothing).
+        let mut next = c.clone();
+        next[0].computing_blocks = 18;
+        assert_eq!(r.choose(tenant, 300, 0, &next).unwrap().slot, 0);
+        // Another new tenant whose home's earlier requests compute its prompt is kept there,
+        // behind the same second of queue: going elsewhere would compute the prompt twice.
+        let other = (0..100u128)
+            .map(|t| t * 7919 + 1)
+            .find(|&t| {
+                router(Policy::Prefix)
+                    .choose(t, 300, 0, &idle)
+                    .unwrap()
+                    .slot
+                    == 1
+            })
+            .unwrap();
+        let mut computing = c.clone();
+        computing[1].computing_blocks = 18;
+        let kept = r.choose(other, 300, 0, &computing).unwrap();
+        assert_eq!((kept.slot, kept.reason), (1, Reason::Affinity));
     }
 
     #[test]

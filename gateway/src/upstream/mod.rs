@@ -493,6 +493,7 @@ impl EngineView<'_> {
             secs_per_token: report.secs_per_token(req.prior_secs_per_token),
             max_seqs: report.max_seqs,
             free_blocks: report.free_blocks,
+            computing_blocks: 0,
         }
     }
 }
@@ -610,6 +611,14 @@ pub fn candidates(
             req.block_size,
         ) {
             c.peer_blocks = 0;
+        }
+    }
+    // Cached nowhere: where requests routed earlier and not ended compute the prompt's leading
+    // blocks (a tenant's first request, still queued or in prefill at its home).
+    if candidates.iter().all(|c| c.matched_blocks == 0) {
+        let routed = index.longest_routed(req.hashes, mask);
+        for c in &mut candidates {
+            c.computing_blocks = routed[c.slot];
         }
     }
     candidates
