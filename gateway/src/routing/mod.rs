@@ -959,17 +959,21 @@ mod tests {
         // it goes: at the home that is the wait and a prefill beside four (1 + 0.3 x 5 + 0.3 =
         // 2.8 s). It goes to engine 0, and the tenant lives there now.
         let r = router(Policy::Prefix);
-        let idle = cands(&[0, 0], &[0.0, 0.0], &[0, 0]);
-        let tenant = (0..100u128)
-            .map(|t| t * 7919)
-            .find(|&t| {
-                router(Policy::Prefix)
-                    .choose(t, 300, 0, &idle)
-                    .unwrap()
-                    .slot
-                    == 1
-            })
-            .unwrap();
+        // A tenant (of those `salt` picks) whose home, between two idle engines, is engine 1.
+        let at_engine_1 = |salt: u128| {
+            let idle = cands(&[0, 0], &[0.0, 0.0], &[0, 0]);
+            (0..100u128)
+                .map(|t| t * 7919 + salt)
+                .find(|&t| {
+                    router(Policy::Prefix)
+                        .choose(t, 300, 0, &idle)
+                        .unwrap()
+                        .slot
+                        == 1
+                })
+                .unwrap()
+        };
+        let tenant = at_engine_1(0);
         let c = cands(&[0, 0], &[0.0, 1.0], &[6, 4]);
         let first = r.choose(tenant, 300, 0, &c).unwrap();
         assert_eq!((first.slot, first.reason), (0, Reason::LeastLoaded));
@@ -980,16 +984,7 @@ mod tests {
         assert_eq!(r.choose(tenant, 300, 0, &next).unwrap().slot, 0);
         // Another new tenant whose home's earlier requests compute its prompt is kept there,
         // behind the same second of queue: going elsewhere would compute the prompt twice.
-        let other = (0..100u128)
-            .map(|t| t * 7919 + 1)
-            .find(|&t| {
-                router(Policy::Prefix)
-                    .choose(t, 300, 0, &idle)
-                    .unwrap()
-                    .slot
-                    == 1
-            })
-            .unwrap();
+        let other = at_engine_1(1);
         let mut computing = c.clone();
         computing[1].computing_blocks = 18;
         let kept = r.choose(other, 300, 0, &computing).unwrap();
