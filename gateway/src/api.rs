@@ -702,14 +702,25 @@ async fn forward(
                     )
                 })
             })
-            .map(|(peer, _)| peer)
-            .or_else(|| gw.registry.computing_peer(&req, &candidates, choice.slot))
-            .and_then(|peer| Some((HeaderValue::from_str(&peer.url).ok()?, peer)));
+            .or_else(|| {
+                gw.registry
+                    .computing_peer(&req, &candidates, choice.slot, now)
+            })
+            .and_then(|(peer, n)| Some((HeaderValue::from_str(&peer.url).ok()?, peer, n)));
         // The prompt counts as being computed there until the request ends, unless the engine
         // is to fetch it (until its fetch ends, it computes none of it).
-        let routed = peer
-            .is_none()
-            .then(|| gw.registry.route(engine.slot, &prepared.hashes.hashes));
+        // It is expected to have computed the prompt once its wait there and its own prefill
+        // are over.
+        let ready_ms = chosen
+            .map(|c| c.wait_secs + prefill as f64 * c.secs_per_token)
+            .filter(|secs| secs.is_finite())
+            .map_or(u64::MAX, |secs| {
+                now.saturating_add((secs.clamp(0.0, 86_400.0) * 1e3) as u64)
+            });
+        let routed = peer.is_none().then(|| {
+            gw.registry
+                .route(engine.slot, &prepared.hashes.hashes, ready_ms)
+        });
         let mut load = EngineLoad::enter(&engine, prefill, routed);
         // A stream's first event is due within the first-byte time. A whole answer's first
         // byte is its end: it may take the request's whole time, and is given up as a hang
@@ -720,14 +731,22 @@ async fn forward(
         } else {
             left
         };
-        if choice.reason == crate::routing::Reason::LeastLoaded {
-            let peer = peer.as_ref().map(|(_, p)| p.name.as_str());
-            tracing::debug!(engine = %engine.name, ?peer, ?candidates, "routed by load");
+        // Every decision and what it was made from (no prompt text), for tracing a route.
+        {
+            let peer = peer.as_ref().map(|(_, p, _)| p.name.as_str());
+            let reason = choice.reason;
+            tracing::debug!(tenant = req.tenant, ?reason, engine = %engine.name, ?peer, ?candidates, "routed");
         }
         let mut extra = Vec::new();
-        if let Some((url, peer)) = peer {
+        // With the hint, how many of the prompt's leading blocks the peer holds or is
+        // computing: an engine that holds as many asks it for nothing.
+        if let Some((url, peer, run)) = peer {
             gw.metrics.peer_hint(&peer.name);
             extra.push((HeaderName::from_static("x-kvgate-prefix-peer"), url));
+            extra.push((
+                HeaderName::from_static("x-kvgate-prefix-peer-blocks"),
+                HeaderValue::from(run),
+            ));
         }
         let mut span = to.trace.map(|t| upstream_span(t, &engine, attempt));
         if let Some(v) = span

@@ -1557,12 +1557,16 @@ impl DecisionPath {
             let peer = self
                 .registry
                 .best_peer(&ph.hashes, choice.slot, 0, 0)
-                .map(|(e, _)| e)
-                .or_else(|| self.registry.computing_peer(&req, &candidates, choice.slot));
+                .or_else(|| {
+                    self.registry
+                        .computing_peer(&req, &candidates, choice.slot, 0)
+                });
             std::hint::black_box(peer);
-            drop(std::hint::black_box(
-                self.registry.route(choice.slot, &ph.hashes),
-            ));
+            drop(std::hint::black_box(self.registry.route(
+                choice.slot,
+                &ph.hashes,
+                u64::MAX,
+            )));
         }
         Ok((ph.prompt_tokens, hashed))
     }

@@ -551,6 +551,54 @@ fn requests_that_want_the_same_blocks_share_one_transfer() {
     assert_eq!(result("complete") + result("joined"), 4.0);
 }
 
+/// The gateway says how many of the prompt's leading blocks the peer has. An engine that holds
+/// as many asks the peer for nothing and computes the rest; short of that it asks for all it
+/// misses, since the peer may hold more than the gateway knows. A count that is not a number is
+/// ignored.
+#[test]
+fn a_fetch_asks_nothing_of_a_peer_the_hint_says_has_no_more_than_this_engine() {
+    let (holder, peer) = holder("");
+    let long = tides_prompt(12);
+    let (want, _) = gated_ask(&holder, "acme", &long, &[]);
+    let hint = |count: &'static str| {
+        [
+            ("x-kvgate-prefix-peer", peer.as_str()),
+            ("x-kvgate-prefix-peer-blocks", count),
+        ]
+    };
+    // A count under what the peer has does not cut the fetch short.
+    let taker = new_taker();
+    let (got, cached) = gated_ask(&taker, "acme", &long, &hint("2"));
+    assert_eq!(got, want);
+    assert!(cached >= 176, "only {cached} tokens came from the peer");
+
+    // An engine holding the prompt's first blocks (a shorter prompt's) asks for nothing more.
+    let own = new_taker();
+    gated_ask(&own, "acme", &tides_prompt(4), &[]);
+    let (got, cached) = gated_ask(&own, "acme", &long, &hint("2"));
+    assert_eq!(got, want);
+    assert!(
+        (32..176).contains(&cached),
+        "{cached} tokens cached: not its own blocks alone"
+    );
+    assert_eq!(
+        fetches(&own, "complete") + fetches(&own, "partial"),
+        0.0,
+        "asked a peer with no more than it holds"
+    );
+    // Nor does a fresh one told the peer has none.
+    let fresh = new_taker();
+    assert_eq!(
+        gated_ask(&fresh, "acme", &long, &hint("0")),
+        (want.clone(), 0)
+    );
+
+    let junk = new_taker();
+    let (got, cached) = gated_ask(&junk, "acme", &long, &hint("all of them"));
+    assert_eq!(got, want);
+    assert!(cached >= 176, "only {cached} tokens came from the peer");
+}
+
 /// A request told to fetch while both of its engine's transfer slots are taken (two other
 /// prompts, which their holder is still computing) waits for a slot, and fetches its prompt
 /// rather than computing it. (It waits only while the transfer would end before computing the

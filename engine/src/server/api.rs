@@ -415,8 +415,8 @@ async fn generate(
         timeline,
     };
     // A peer holds more of the prefix than this engine: its blocks come over first.
-    if let Some(peer) = &peer {
-        super::peer::fetch(&state, peer, &who.scope, &p.prompt).await;
+    if let Some(hint) = &peer {
+        super::peer::fetch(&state, hint, &who.scope, &p.prompt).await;
     }
     if let Some(t) = guard.timeline.as_mut() {
         let now = std::time::Instant::now();

@@ -2,12 +2,14 @@
 //! of computing them.
 //!
 //! - **The hint.** When the gateway routes a request away from the engine that holds its prefix
-//!   (that engine is busy or draining), it names that engine in [`PEER_HEADER`]. Like the tenancy
-//!   headers, the hint counts only from a caller with the engine token.
+//!   (that engine is busy or draining), it names that engine in [`PEER_HEADER`], and how many of
+//!   the prompt's leading blocks that engine holds or is computing in [`PEER_BLOCKS_HEADER`].
+//!   Like the tenancy headers, the hint counts only from a caller with the engine token.
 //! - **The fetch.** The engine asks its own thread which blocks of the prompt's cached run no tier
-//!   here holds. It asks the peer for those (`POST /kv/blocks`, engine token), sending the
-//!   prompt's tokens and scope: the peer hashes them itself, so a transfer needs the prompt, not
-//!   only its hashes. It checks each frame:
+//!   here holds, unless it holds as many as the gateway said the peer has. It asks the peer for
+//!   those (`POST /kv/blocks`, engine token), sending the prompt's tokens and scope: the peer
+//!   hashes them itself, so a transfer needs the prompt, not only its hashes. It checks each
+//!   frame:
 //!   - this deployment's fingerprint;
 //!   - exactly the hash asked for (a hash it computed itself, from the prompt, in the request's
 //!     own scope);
@@ -56,6 +58,10 @@ use tokio::sync::oneshot;
 
 /// The gateway's hint: the base URL of a peer engine that holds more of the request's prefix.
 pub const PEER_HEADER: &str = "x-kvgate-prefix-peer";
+/// With the hint: how many leading blocks of the prompt the gateway knows the peer to hold or
+/// to be computing. An engine that holds as many asks for nothing (a request that waited for a
+/// transfer of its tenant's prefix does not ask again for its own question's block).
+pub const PEER_BLOCKS_HEADER: &str = "x-kvgate-prefix-peer-blocks";
 /// Most blocks one transfer carries.
 pub const MAX_FETCH_BLOCKS: usize = 1024;
 /// Transfers served at once; more are refused (503), and their requester computes instead.
@@ -294,9 +300,18 @@ enum Ended {
     Failed(String),
 }
 
-/// Fetches from `peer` the blocks of `prompt` (in `scope`) that no tier here holds, into the
-/// host tier. Returns the blocks that arrived; never fails the request.
-pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32]) -> usize {
+/// Fetches from the hinted peer the blocks of `prompt` (in `scope`) that no tier here holds, into
+/// the host tier, unless this engine holds as many as the hint says the peer has. Returns the
+/// blocks that arrived; never fails the request.
+pub async fn fetch(state: &ServerState, hint: &Hint, scope: &str, prompt: &[u32]) -> usize {
+    let peer = hint.peer.as_str();
+    // Where this engine holds as many of the prompt's leading blocks as the gateway knows the
+    // peer to have, it does not ask: a request that waited for a transfer of its tenant's
+    // prefix would otherwise ask again for its own question's block, which the peer never
+    // had. Short of that, it asks for all it misses (the peer may hold more than the gateway
+    // knows: events on their way, another gateway's requests), and the peer stops at the
+    // first block it lacks.
+    let reach = hint.blocks.unwrap_or(usize::MAX);
     let (Some(token), Some(codec)) = (state.engine_token.clone(), state.peer.clone()) else {
         return 0;
     };
@@ -320,21 +335,26 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
         let Some((from, want)) = missing_run(state, scope, prompt).await else {
             return 0;
         };
-        let want: Vec<BlockHash> = want.into_iter().take(MAX_FETCH_BLOCKS).collect();
+        let want: Vec<BlockHash> = if from < reach {
+            want.into_iter().take(MAX_FETCH_BLOCKS).collect()
+        } else {
+            Vec::new()
+        };
         let limit = *limit.get_or_insert_with(|| {
             Duration::from_secs_f64(kvgate_protocol::load::peer_fetch_limit_secs(want.len()))
         });
         let left = limit.saturating_sub(started.elapsed());
-        // Nothing missing (a joined transfer brought it), or no time left.
+        // Nothing missing that the peer has (a joined transfer brought it, or this engine
+        // holds as much as the peer is known to), or no time left.
         let (Some(&first), false) = (want.first(), left.is_zero()) else {
             if joined {
-                record_fetch(state, "joined", 0, started);
+                record_fetch(state, (peer, scope), "joined", 0, started);
             }
             return 0;
         };
         // Checked each round: the transfer waited for may have found the peer down.
         if state.peer_backoff.blocked(peer) {
-            record_fetch(state, "held_off", 0, started);
+            record_fetch(state, (peer, scope), "held_off", 0, started);
             return 0;
         }
         if let Some((permit, running)) = slot.take() {
@@ -350,7 +370,7 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
             }
             // The blocks a joined transfer left are being fetched by yet another request.
             Err(_) => {
-                record_fetch(state, "joined", 0, started);
+                record_fetch(state, (peer, scope), "joined", 0, started);
                 return 0;
             }
         };
@@ -369,7 +389,7 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
         match tokio::time::timeout(wait, state.fetches.acquire()).await {
             Ok(Ok(permit)) => slot = Some((permit, running)),
             _ => {
-                record_fetch(state, "refused", 0, started);
+                record_fetch(state, (peer, scope), "refused", 0, started);
                 return 0;
             }
         }
@@ -384,6 +404,7 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
         from,
         blocks: Some(want.len()),
     };
+    tracing::debug!(peer, scope, from, blocks = want.len(), "peer fetch asks");
     let got = Arc::new(Progress::default());
     let ended = tokio::time::timeout(
         limit,
@@ -414,7 +435,7 @@ pub async fn fetch(state: &ServerState, peer: &str, scope: &str, prompt: &[u32])
         }
         _ => {}
     }
-    record_fetch(state, result, blocks, started);
+    record_fetch(state, (peer, scope), result, blocks, started);
     blocks
 }
 
@@ -428,8 +449,15 @@ fn prefill_time(state: &ServerState, tokens: usize) -> Duration {
 }
 
 /// Counts a fetch that ended with `result`, having brought `blocks`.
-fn record_fetch(state: &ServerState, result: &str, blocks: usize, started: Instant) {
+fn record_fetch(
+    state: &ServerState,
+    (peer, scope): (&str, &str),
+    result: &str,
+    blocks: usize,
+    started: Instant,
+) {
     let secs = started.elapsed().as_secs_f64();
+    tracing::debug!(peer, scope, result, blocks, secs, "peer fetch ended");
     state.metrics.update(|m| {
         m.tiers.peer_fetches.push_result(result);
         m.tiers.peer_blocks += blocks as u64;
@@ -554,8 +582,19 @@ fn client() -> hyper_util::client::legacy::Client<
         .clone()
 }
 
-/// Whether the request carries a peer hint that counts (the caller has the engine token).
-pub fn hint<B>(state: &ServerState, req: &Request<B>) -> Option<String> {
+/// A peer hint: the peer's base URL, and how many leading blocks of the prompt it holds or is
+/// computing, where the gateway said ([`PEER_BLOCKS_HEADER`]).
+#[derive(Debug, Clone)]
+pub struct Hint {
+    pub peer: String,
+    pub blocks: Option<usize>,
+}
+
+/// The request's peer hint, where it carries one that counts (the caller has the engine token).
+/// A block count that is not a number is ignored: the fetch then asks for all it misses.
+pub fn hint<B>(state: &ServerState, req: &Request<B>) -> Option<Hint> {
     state.engine_token.as_ref()?;
-    http::header_str(req, PEER_HEADER).map(str::to_owned)
+    let peer = http::header_str(req, PEER_HEADER)?.to_owned();
+    let blocks = http::header_str(req, PEER_BLOCKS_HEADER).and_then(|v| v.trim().parse().ok());
+    Some(Hint { peer, blocks })
 }

@@ -25,9 +25,18 @@ pub struct PrefixIndex {
     per_engine: Vec<HashSet<u128, Fast>>,
     /// Block hash -> engines it was routed to (a slot bitmask).
     routed: HashMap<u128, u64, Fast>,
-    /// [`routed_key`] of (slot, block hash) -> requests in flight there whose prompt has that
-    /// block.
-    routed_count: HashMap<u128, u32, Fast>,
+    /// [`routed_key`] of (slot, block hash) -> the requests in flight there whose prompt has
+    /// that block.
+    routed_count: HashMap<u128, Routed, Fast>,
+}
+
+/// The requests in flight on one engine whose prompts have one block.
+#[derive(Debug, Clone, Copy)]
+struct Routed {
+    count: u32,
+    /// When the earliest of them was expected to have computed its prompt (gateway clock, ms;
+    /// `u64::MAX` when not known, as after any of them ends: the others' times are not kept).
+    ready_ms: u64,
 }
 
 /// The slots whose bits are set in `mask`, lowest first.
@@ -81,10 +90,31 @@ impl PrefixIndex {
     /// A request whose prompt has these blocks was routed to engine `slot`: until
     /// [`Self::unroute`], they count as being computed there ([`Self::longest_routed`]).
     pub fn route(&mut self, slot: usize, hashes: &[BlockHash]) {
+        self.route_ready(slot, hashes, u64::MAX);
+    }
+
+    /// [`Self::route`], for a request expected to have computed its prompt at `ready_ms`
+    /// ([`Self::routed_ready_ms`]).
+    pub fn route_ready(&mut self, slot: usize, hashes: &[BlockHash], ready_ms: u64) {
         for h in hashes {
-            *self.routed_count.entry(routed_key(slot, h.0)).or_default() += 1;
+            let r = self
+                .routed_count
+                .entry(routed_key(slot, h.0))
+                .or_insert(Routed { count: 0, ready_ms });
+            r.count += 1;
+            r.ready_ms = r.ready_ms.min(ready_ms);
             *self.routed.entry(h.0).or_default() |= 1 << slot;
         }
+    }
+
+    /// Of the requests in flight on engine `slot` whose prompts have block `hash`, when the
+    /// earliest was expected to have computed it (`None`: none is in flight there, or none
+    /// said when).
+    pub fn routed_ready_ms(&self, slot: usize, hash: BlockHash) -> Option<u64> {
+        self.routed_count
+            .get(&routed_key(slot, hash.0))
+            .map(|r| r.ready_ms)
+            .filter(|&ms| ms != u64::MAX)
     }
 
     /// That request ended (or failed) on engine `slot`.
@@ -95,8 +125,12 @@ impl PrefixIndex {
             else {
                 continue;
             };
-            *n.get_mut() -= 1;
-            if *n.get() > 0 {
+            let r = n.get_mut();
+            r.count -= 1;
+            if r.count > 0 {
+                // The earliest may have been the one that ended: when the others expect to
+                // have computed it is not kept.
+                r.ready_ms = u64::MAX;
                 continue;
             }
             n.remove();

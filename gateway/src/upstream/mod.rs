@@ -348,8 +348,14 @@ pub fn best_peer(
 /// yet, or it has not reached them), with that run's length. Only when:
 /// - the run is at least [`PEER_MIN_GAIN_BLOCKS`] longer than what `chosen` caches or is
 ///   computing itself;
-/// - that engine's wait, before which it will not have computed them, is within the time
-///   `chosen` waits for a fetch ([`kvgate_protocol::load::peer_fetch_limit_secs`]).
+/// - the time before it will have computed them is within the time `chosen` waits for a fetch
+///   ([`kvgate_protocol::load::peer_fetch_limit_secs`]): its wait for a new request, or less
+///   where the earliest request computing them was routed to it with less ahead of it (when
+///   that request was expected to have computed them, less the time since, `now_ms`; none
+///   once that time has passed, up to the limit past it, after which the estimate is taken
+///   for wrong). Under a burst the engine's wait for a new request says little of one already
+///   in its batch: a tenant's first request, routed with 0.75 s of wait, had the next one, 0.44
+///   s later, see 1.88 s of wait there and compute the prompt a second time elsewhere.
 ///
 /// `chosen` then asks that engine for the blocks, and its answer waits for the step that
 /// computes them. The request waits for them rather than have `chosen` compute the prompt a
@@ -361,6 +367,7 @@ pub fn computing_peer(
     hashes: &[kvgate_protocol::BlockHash],
     candidates: &[Candidate],
     chosen: &Candidate,
+    now_ms: u64,
 ) -> Option<(usize, u32)> {
     let all = candidates.iter().fold(0u64, |m, c| m | (1 << c.slot));
     if all == 1 << chosen.slot {
@@ -378,25 +385,38 @@ pub fn computing_peer(
                 return None;
             }
             let limit = kvgate_protocol::load::peer_fetch_limit_secs(gain);
-            (c.wait_secs <= limit).then_some((c.slot, n, c.wait_secs))
+            let last = *hashes.get((n as usize).checked_sub(1)?)?;
+            // Overdue by more than the limit, the estimate was wrong (the request was
+            // cancelled, or the engine is slower than it said): its wait is all there is.
+            let left = |ready: u64| (ready as f64 - now_ms as f64) / 1e3;
+            let wait = index
+                .routed_ready_ms(c.slot, last)
+                .filter(|&ready| left(ready) >= -limit)
+                .map_or(c.wait_secs, |ready| c.wait_secs.min(left(ready).max(0.0)));
+            (wait <= limit).then_some((c.slot, n, wait))
         })
         .max_by(|a, b| a.1.cmp(&b.1).then(b.2.total_cmp(&a.2)))
         .map(|(slot, n, _)| (slot, n))
 }
 
 impl Registry {
-    /// The engine [`computing_peer`] names for `req`, routed to `chosen` among `candidates`.
+    /// The engine [`computing_peer`] names for `req`, routed to `chosen` among `candidates`, and
+    /// its run of the prompt's blocks.
     pub fn computing_peer(
         &self,
         req: &RouteRequest<'_>,
         candidates: &[Candidate],
         chosen: usize,
-    ) -> Option<Arc<Engine>> {
+        now_ms: u64,
+    ) -> Option<(Arc<Engine>, u32)> {
         let chosen = candidates.iter().find(|c| c.slot == chosen)?;
         let index = self.index.read().unwrap_or_else(|p| p.into_inner());
-        let (slot, _) = computing_peer(&index, req.hashes, candidates, chosen)?;
+        let (slot, n) = computing_peer(&index, req.hashes, candidates, chosen, now_ms)?;
         drop(index);
-        self.all().into_iter().find(|e| e.slot == slot)
+        self.all()
+            .into_iter()
+            .find(|e| e.slot == slot)
+            .map(|e| (e, n))
     }
 }
 
@@ -410,16 +430,18 @@ pub struct RoutedPrompt {
 }
 
 impl Registry {
-    /// Counts `hashes` as routed to engine `slot` while the returned guard lives.
+    /// Counts `hashes` as routed to engine `slot` while the returned guard lives, expected to
+    /// be computed there at `ready_ms` (gateway clock; `u64::MAX` when not known).
     pub fn route(
         self: &Arc<Self>,
         slot: usize,
         hashes: &[kvgate_protocol::BlockHash],
+        ready_ms: u64,
     ) -> RoutedPrompt {
         self.index
             .write()
             .unwrap_or_else(|p| p.into_inner())
-            .route(slot, hashes);
+            .route_ready(slot, hashes, ready_ms);
         RoutedPrompt {
             registry: self.clone(),
             slot,
@@ -718,6 +740,58 @@ mod tests {
     }
 
     #[test]
+    fn an_engine_computing_the_prefix_is_judged_by_when_its_request_will_have_computed_it() {
+        let (registry, engines, hashes) = fleet(2, &[]);
+        let registry = Arc::new(registry);
+        let req = RouteRequest::new(&hashes, 270, "t", &config());
+        let mut c = registry.candidates(&req, 0, now_ms()).0;
+        // Engine 1 has 3 s of wait for a new request, far past the 1.4 s engine 0 waits for a
+        // fetch of 16 blocks.
+        c[1].wait_secs = 3.0;
+        // One clock for the whole test: the routes' times are relative to it.
+        let now = now_ms();
+        let named = |c: &[Candidate]| {
+            registry
+                .computing_peer(&req, c, engines[0].slot, now)
+                .map(|(e, n)| (e.name.clone(), n))
+        };
+        let e1 = Some(("e1".to_owned(), 16));
+        // A request computing the prompt there, routed with no more than 0.2 s ahead of it:
+        // the prompt is that far away, whatever a new request would wait.
+        let soon = registry.route(engines[1].slot, &hashes, now + 200);
+        assert_eq!(named(&c), e1);
+        // A later one changes nothing: the earliest counts while it is in flight.
+        let later = registry.route(engines[1].slot, &hashes, now + 5_000);
+        assert_eq!(named(&c), e1);
+        // Once it ends, when the others expect to have computed it is not known (the earliest
+        // is not kept per request): a new request's wait is all there is.
+        drop(soon);
+        assert_eq!(named(&c), None);
+        drop(later);
+        // Due in 2 s: past the limit.
+        let far = registry.route(engines[1].slot, &hashes, now + 2_000);
+        assert_eq!(named(&c), None);
+        // But no later than a new request's wait there.
+        c[1].wait_secs = 1.0;
+        assert_eq!(named(&c), e1);
+        c[1].wait_secs = 3.0;
+        drop(far);
+        // Overdue: the engine is about to hold it, and the fetch waits for the step that does.
+        let overdue = registry.route(engines[1].slot, &hashes, now - 500);
+        assert_eq!(named(&c), e1);
+        drop(overdue);
+        // Overdue by more than the limit: the estimate was wrong.
+        let stale = registry.route(engines[1].slot, &hashes, now - 1_500);
+        assert_eq!(named(&c), None);
+        drop(stale);
+        // Not said: the wait for a new request is all there is to go on.
+        let unknown = registry.route(engines[1].slot, &hashes, u64::MAX);
+        assert_eq!(named(&c), None);
+        drop(unknown);
+        assert_eq!(registry.index.read().unwrap().routed_len(), 0);
+    }
+
+    #[test]
     fn an_engine_computing_the_prefix_is_named_while_its_wait_is_within_the_fetch_limit() {
         let (registry, engines, hashes) = fleet(3, &[]);
         let registry = Arc::new(registry);
@@ -725,13 +799,13 @@ mod tests {
         let mut c = registry.candidates(&req, 0, now_ms()).0;
         let name = |c: &[Candidate], chosen: usize| {
             registry
-                .computing_peer(&req, c, engines[chosen].slot)
-                .map(|e| e.name.clone())
+                .computing_peer(&req, c, engines[chosen].slot, now_ms())
+                .map(|(e, _)| e.name.clone())
         };
         // Nothing routed anywhere: no one to ask.
         assert_eq!(name(&c, 0), None);
         // A request with the whole prompt is in flight on engine 1, which has 0.1 s of queue.
-        let routed = registry.route(engines[1].slot, &hashes);
+        let routed = registry.route(engines[1].slot, &hashes, u64::MAX);
         c[1].wait_secs = 0.1;
         assert_eq!(name(&c, 0).as_deref(), Some("e1"));
         // Its events confirmed nothing yet: the held index knows nothing of it.
@@ -745,17 +819,17 @@ mod tests {
         c[0].free_blocks = 16;
         assert_eq!(name(&c, 0).as_deref(), Some("e1"));
         // Of two engines computing it, the one with the longer run; on a tie, the shorter wait.
-        let part = registry.route(engines[2].slot, &hashes[..8]);
+        let part = registry.route(engines[2].slot, &hashes[..8], u64::MAX);
         c[2].wait_secs = 0.0;
         assert_eq!(name(&c, 0).as_deref(), Some("e1"));
-        let whole = registry.route(engines[2].slot, &hashes);
+        let whole = registry.route(engines[2].slot, &hashes, u64::MAX);
         assert_eq!(name(&c, 0).as_deref(), Some("e2"));
         // A gain under PEER_MIN_GAIN_BLOCKS over what the chosen engine caches, or is computing
         // itself for another request, names no one.
         c[0].matched_blocks = 13;
         assert_eq!(name(&c, 0), None);
         c[0].matched_blocks = 0;
-        let own = registry.route(engines[0].slot, &hashes[..13]);
+        let own = registry.route(engines[0].slot, &hashes[..13], u64::MAX);
         assert_eq!(name(&c, 0), None);
         drop(own);
         assert_eq!(name(&c, 0).as_deref(), Some("e2"));
