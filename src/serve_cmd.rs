@@ -191,7 +191,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         .with_context(|| format!("starting the engine on {}", dir.display()))?;
     let renderer = state.renderer.clone();
     let context_tokens = state.context_len;
-    let engine_metrics = state.metrics.clone();
+    let engine_state = state.clone();
     gateway_cmd::runtime()?.block_on(async move {
         let engine_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let engine_addr = engine_listener.local_addr()?;
@@ -220,7 +220,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         gw.store.put_tenant(&Tenant::new("default")).await?;
         let (key, _) = gw.issue_key("default", &KeySpec::default()).await?;
         gw.metrics
-            .also_export(move || kvgate_engine::server::metrics::render(&engine_metrics));
+            .also_export(move || server::render_metrics(&engine_state));
         let banner = move |api, admin| banner(api, admin, &key, &operator_token);
         gateway_cmd::serve_gateway(gw, Some(banner)).await?;
         let _ = stop_engine.send(());

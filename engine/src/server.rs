@@ -143,6 +143,18 @@ pub async fn run(
     served
 }
 
+/// The engine's metrics in the Prometheus text format: its statistics and the peer transfers
+/// running now.
+pub fn render_metrics(state: &ServerState) -> String {
+    let mut text = metrics::render(&state.metrics);
+    metrics::render_transfers(
+        &mut text,
+        peer::MAX_FETCHES.saturating_sub(state.fetches.available_permits()),
+        peer::MAX_EXPORTS.saturating_sub(state.exports.available_permits()),
+    );
+    text
+}
+
 async fn route(
     state: Arc<ServerState>,
     req: Request<Incoming>,
@@ -153,12 +165,7 @@ async fn route(
         (Method::GET, "/health") => admin::health(&state),
         (Method::GET, "/health/live") => admin::liveness(&state),
         (Method::GET, "/metrics") => {
-            let mut text = metrics::render(&state.metrics);
-            metrics::render_transfers(
-                &mut text,
-                peer::MAX_FETCHES.saturating_sub(state.fetches.available_permits()),
-                peer::MAX_EXPORTS.saturating_sub(state.exports.available_permits()),
-            );
+            let mut text = render_metrics(&state);
             state.tracer.render_metrics("kvgate_engine", &mut text);
             http::text_response("text/plain; version=0.0.4; charset=utf-8", text)
         }

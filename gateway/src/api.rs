@@ -702,6 +702,17 @@ async fn forward(
                     )
                 })
             })
+            .map(|(peer, held)| {
+                let own = (held, choice.matched_blocks);
+                let n = (gw.registry).fetch_run(
+                    &prepared.hashes.hashes,
+                    &candidates,
+                    peer.slot,
+                    own,
+                    now,
+                );
+                (peer, n)
+            })
             .or_else(|| {
                 gw.registry
                     .computing_peer(&req, &candidates, choice.slot, now)
@@ -738,8 +749,8 @@ async fn forward(
             tracing::debug!(tenant = req.tenant, ?reason, engine = %engine.name, ?peer, ?candidates, "routed");
         }
         let mut extra = Vec::new();
-        // With the hint, how many of the prompt's leading blocks the peer holds or is
-        // computing: an engine that holds as many asks it for nothing.
+        // With the hint, how many of the prompt's leading blocks to fetch: those the peer
+        // holds, and those it will have computed within the fetch's time limit.
         if let Some((url, peer, run)) = peer {
             gw.metrics.peer_hint(&peer.name);
             extra.push((HeaderName::from_static("x-kvgate-prefix-peer"), url));

@@ -551,12 +551,11 @@ fn requests_that_want_the_same_blocks_share_one_transfer() {
     assert_eq!(result("complete") + result("joined"), 4.0);
 }
 
-/// The gateway says how many of the prompt's leading blocks the peer has. An engine that holds
-/// as many asks the peer for nothing and computes the rest; short of that it asks for all it
-/// misses, since the peer may hold more than the gateway knows. A count that is not a number is
-/// ignored.
+/// The gateway says how many of the prompt's leading blocks to fetch: no block past them is
+/// asked for, and an engine that holds as many asks for nothing. A count that is not a number is
+/// ignored (the fetch asks for all it misses).
 #[test]
-fn a_fetch_asks_nothing_of_a_peer_the_hint_says_has_no_more_than_this_engine() {
+fn a_fetch_asks_for_no_block_past_the_hints_count() {
     let (holder, peer) = holder("");
     let long = tides_prompt(12);
     let (want, _) = gated_ask(&holder, "acme", &long, &[]);
@@ -566,11 +565,11 @@ fn a_fetch_asks_nothing_of_a_peer_the_hint_says_has_no_more_than_this_engine() {
             ("x-kvgate-prefix-peer-blocks", count),
         ]
     };
-    // A count under what the peer has does not cut the fetch short.
     let taker = new_taker();
-    let (got, cached) = gated_ask(&taker, "acme", &long, &hint("2"));
+    let (got, cached) = gated_ask(&taker, "acme", &long, &hint("5"));
     assert_eq!(got, want);
-    assert!(cached >= 176, "only {cached} tokens came from the peer");
+    assert_eq!(cached, 80, "asked for five blocks, {cached} tokens came");
+    assert_eq!(fetches(&taker, "complete"), 1.0);
 
     // An engine holding the prompt's first blocks (a shorter prompt's) asks for nothing more.
     let own = new_taker();
@@ -584,9 +583,9 @@ fn a_fetch_asks_nothing_of_a_peer_the_hint_says_has_no_more_than_this_engine() {
     assert_eq!(
         fetches(&own, "complete") + fetches(&own, "partial"),
         0.0,
-        "asked a peer with no more than it holds"
+        "asked a peer for blocks past the count"
     );
-    // Nor does a fresh one told the peer has none.
+    // Nor does a fresh one told to fetch none.
     let fresh = new_taker();
     assert_eq!(
         gated_ask(&fresh, "acme", &long, &hint("0")),

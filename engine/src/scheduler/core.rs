@@ -204,9 +204,18 @@ impl Scheduler {
         self.kv.will_compute(hash)
             || self.groups.values().any(|g| {
                 g.status == SeqStatus::Waiting
-                    && g.hashed
-                        .as_ref()
-                        .is_some_and(|h| h.hashes().contains(&hash))
+                    && match &g.hashed {
+                        Some(h) => h.hashes().contains(&hash),
+                        // Preempted to be computed again: its prompt's hashes went with its
+                        // first admission, and are taken again (rarely: preemption is).
+                        None => g.live().next().is_some_and(|s| {
+                            let prompt = &s.tokens[..g.prompt_len.min(s.tokens.len())];
+                            self.kv
+                                .hash_prompt(g.scope, prompt)
+                                .hashes()
+                                .contains(&hash)
+                        }),
+                    }
             })
     }
 

@@ -237,6 +237,40 @@ fn preemption_takes_the_latest_group_and_every_group_completes() {
     }
 }
 
+/// A group preempted to be computed again still counts as computing its prompt while it waits:
+/// a peer asking for those blocks waits for its next admission rather than getting nothing.
+#[test]
+fn a_preempted_groups_prompt_is_still_to_be_computed() {
+    let mut s = scheduler(16, PreemptMode::Recompute);
+    for i in 0..5 {
+        add(&mut s, i, 0, 8, 1, 24);
+    }
+    let mut steps = 0;
+    // A group that was admitted once (its first admission's hashes are gone) and waits again.
+    let victim = loop {
+        step(&mut s);
+        let preempted = s
+            .groups
+            .values()
+            .find(|g| g.status == SeqStatus::Waiting && g.preemptions > 0);
+        if let Some(g) = preempted {
+            break g.id;
+        }
+        steps += 1;
+        assert!(steps < 1000, "no preempted group waited");
+    };
+    let g = &s.groups[&victim];
+    let prompt = &g.seqs[0].tokens[..g.prompt_len];
+    let hashed = s.kv.hash_prompt(g.scope, prompt);
+    assert!(!hashed.hashes().is_empty());
+    for &h in hashed.hashes() {
+        assert!(
+            s.will_compute(h),
+            "a preempted prompt's block counts as not coming"
+        );
+    }
+}
+
 /// A low-priority group that arrived first is decoded first; a later, higher-priority group then
 /// needs the last block and takes it from the first, whose decode was already planned.
 #[test]

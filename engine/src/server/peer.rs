@@ -3,13 +3,12 @@
 //!
 //! - **The hint.** When the gateway routes a request away from the engine that holds its prefix
 //!   (that engine is busy or draining), it names that engine in [`PEER_HEADER`], and how many of
-//!   the prompt's leading blocks that engine holds or is computing in [`PEER_BLOCKS_HEADER`].
-//!   Like the tenancy headers, the hint counts only from a caller with the engine token.
+//!   the prompt's leading blocks to fetch from it in [`PEER_BLOCKS_HEADER`]. Like the tenancy
+//!   headers, the hint counts only from a caller with the engine token.
 //! - **The fetch.** The engine asks its own thread which blocks of the prompt's cached run no tier
-//!   here holds, unless it holds as many as the gateway said the peer has. It asks the peer for
-//!   those (`POST /kv/blocks`, engine token), sending the prompt's tokens and scope: the peer
-//!   hashes them itself, so a transfer needs the prompt, not only its hashes. It checks each
-//!   frame:
+//!   here holds, as far as the gateway's count. It asks the peer for those (`POST /kv/blocks`,
+//!   engine token), sending the prompt's tokens and scope: the peer hashes them itself, so a
+//!   transfer needs the prompt, not only its hashes. It checks each frame:
 //!   - this deployment's fingerprint;
 //!   - exactly the hash asked for (a hash it computed itself, from the prompt, in the request's
 //!     own scope);
@@ -58,9 +57,9 @@ use tokio::sync::oneshot;
 
 /// The gateway's hint: the base URL of a peer engine that holds more of the request's prefix.
 pub const PEER_HEADER: &str = "x-kvgate-prefix-peer";
-/// With the hint: how many leading blocks of the prompt the gateway knows the peer to hold or
-/// to be computing. An engine that holds as many asks for nothing (a request that waited for a
-/// transfer of its tenant's prefix does not ask again for its own question's block).
+/// With the hint: how many of the prompt's leading blocks to fetch, those the gateway knows the
+/// peer to hold and those it expects the peer to have computed within the fetch's time limit.
+/// No block past them is asked for.
 pub const PEER_BLOCKS_HEADER: &str = "x-kvgate-prefix-peer-blocks";
 /// Most blocks one transfer carries.
 pub const MAX_FETCH_BLOCKS: usize = 1024;
@@ -300,17 +299,15 @@ enum Ended {
     Failed(String),
 }
 
-/// Fetches from the hinted peer the blocks of `prompt` (in `scope`) that no tier here holds, into
-/// the host tier, unless this engine holds as many as the hint says the peer has. Returns the
-/// blocks that arrived; never fails the request.
+/// Fetches from the hinted peer the blocks of `prompt` (in `scope`) that no tier here holds, as
+/// far as the hint says to, into the host tier. Returns the blocks that arrived; never fails the
+/// request.
 pub async fn fetch(state: &ServerState, hint: &Hint, scope: &str, prompt: &[u32]) -> usize {
     let peer = hint.peer.as_str();
-    // Where this engine holds as many of the prompt's leading blocks as the gateway knows the
-    // peer to have, it does not ask: a request that waited for a transfer of its tenant's
-    // prefix would otherwise ask again for its own question's block, which the peer never
-    // had. Short of that, it asks for all it misses (the peer may hold more than the gateway
-    // knows: events on their way, another gateway's requests), and the peer stops at the
-    // first block it lacks.
+    // No block past the gateway's count is asked for: the peer does not have it, or will not
+    // have computed it within the fetch's time limit (a request that waited for a transfer of
+    // its tenant's prefix would otherwise ask again for its own question's block, which the
+    // peer never had, and wait for nothing).
     let reach = hint.blocks.unwrap_or(usize::MAX);
     let (Some(token), Some(codec)) = (state.engine_token.clone(), state.peer.clone()) else {
         return 0;
@@ -335,17 +332,14 @@ pub async fn fetch(state: &ServerState, hint: &Hint, scope: &str, prompt: &[u32]
         let Some((from, want)) = missing_run(state, scope, prompt).await else {
             return 0;
         };
-        let want: Vec<BlockHash> = if from < reach {
-            want.into_iter().take(MAX_FETCH_BLOCKS).collect()
-        } else {
-            Vec::new()
-        };
+        let asked = reach.saturating_sub(from).min(MAX_FETCH_BLOCKS);
+        let want: Vec<BlockHash> = want.into_iter().take(asked).collect();
         let limit = *limit.get_or_insert_with(|| {
             Duration::from_secs_f64(kvgate_protocol::load::peer_fetch_limit_secs(want.len()))
         });
         let left = limit.saturating_sub(started.elapsed());
-        // Nothing missing that the peer has (a joined transfer brought it, or this engine
-        // holds as much as the peer is known to), or no time left.
+        // Nothing missing that the peer is to send (a joined transfer brought it), or no time
+        // left.
         let (Some(&first), false) = (want.first(), left.is_zero()) else {
             if joined {
                 record_fetch(state, (peer, scope), "joined", 0, started);

@@ -94,7 +94,7 @@ impl PrefixIndex {
     }
 
     /// [`Self::route`], for a request expected to have computed its prompt at `ready_ms`
-    /// ([`Self::routed_ready_ms`]).
+    /// ([`Self::ready_ms`]).
     pub fn route_ready(&mut self, slot: usize, hashes: &[BlockHash], ready_ms: u64) {
         for h in hashes {
             let r = self
@@ -107,10 +107,19 @@ impl PrefixIndex {
         }
     }
 
-    /// Of the requests in flight on engine `slot` whose prompts have block `hash`, when the
-    /// earliest was expected to have computed it (`None`: none is in flight there, or none
-    /// said when).
-    pub fn routed_ready_ms(&self, slot: usize, hash: BlockHash) -> Option<u64> {
+    /// When engine `slot` can send block `hash` to a peer: now, where its device pool or host
+    /// tier holds it; else when the earliest request in flight there whose prompt has it was
+    /// expected to have computed it (`None`: no request in flight there has it, or none said
+    /// when).
+    pub fn ready_ms(&self, slot: usize, hash: BlockHash) -> Option<u64> {
+        let bit = 1u64 << slot;
+        if self
+            .holders
+            .get(&hash.0)
+            .is_some_and(|h| h.all & !h.disk & bit != 0)
+        {
+            return Some(0);
+        }
         self.routed_count
             .get(&routed_key(slot, hash.0))
             .map(|r| r.ready_ms)

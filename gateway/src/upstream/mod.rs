@@ -349,13 +349,8 @@ pub fn best_peer(
 /// - the run is at least [`PEER_MIN_GAIN_BLOCKS`] longer than what `chosen` caches or is
 ///   computing itself;
 /// - the time before it will have computed them is within the time `chosen` waits for a fetch
-///   ([`kvgate_protocol::load::peer_fetch_limit_secs`]): its wait for a new request, or less
-///   where the earliest request computing them was routed to it with less ahead of it (when
-///   that request was expected to have computed them, less the time since, `now_ms`; none
-///   once that time has passed, up to the limit past it, after which the estimate is taken
-///   for wrong). Under a burst the engine's wait for a new request says little of one already
-///   in its batch: a tenant's first request, routed with 0.75 s of wait, had the next one, 0.44
-///   s later, see 1.88 s of wait there and compute the prompt a second time elsewhere.
+///   ([`kvgate_protocol::load::peer_fetch_limit_secs`]), as [`within_limit`] judges it: the
+///   run named is the longest that is.
 ///
 /// `chosen` then asks that engine for the blocks, and its answer waits for the step that
 /// computes them. The request waits for them rather than have `chosen` compute the prompt a
@@ -379,24 +374,73 @@ pub fn computing_peer(
         .iter()
         .filter(|c| c.slot != chosen.slot)
         .filter_map(|c| {
-            let n = runs[c.slot];
-            let gain = n.checked_sub(own)? as usize;
-            if gain < PEER_MIN_GAIN_BLOCKS as usize {
-                return None;
-            }
-            let limit = kvgate_protocol::load::peer_fetch_limit_secs(gain);
-            let last = *hashes.get((n as usize).checked_sub(1)?)?;
-            // Overdue by more than the limit, the estimate was wrong (the request was
-            // cancelled, or the engine is slower than it said): its wait is all there is.
-            let left = |ready: u64| (ready as f64 - now_ms as f64) / 1e3;
-            let wait = index
-                .routed_ready_ms(c.slot, last)
-                .filter(|&ready| left(ready) >= -limit)
-                .map_or(c.wait_secs, |ready| c.wait_secs.min(left(ready).max(0.0)));
-            (wait <= limit).then_some((c.slot, n, wait))
+            let floor = own + PEER_MIN_GAIN_BLOCKS - 1;
+            let (n, wait) = within_limit(index, hashes, c, (floor, runs[c.slot]), own, now_ms)?;
+            Some((c.slot, n, wait))
         })
         .max_by(|a, b| a.1.cmp(&b.1).then(b.2.total_cmp(&a.2)))
         .map(|(slot, n, _)| (slot, n))
+}
+
+/// Of the leading blocks of `hashes` that engine `peer` holds or is computing (`run`, at least
+/// `floor` of them), the longest run that it will have within the time a fetch of the blocks
+/// past `own` may take ([`kvgate_protocol::load::peer_fetch_limit_secs`]), and how long before
+/// it has them. A block it holds in its device pool or host tier is there now; one it is
+/// computing is due when the earliest request in flight there with it was expected to have
+/// computed it (at once once that time has passed), and no later than a new request's wait
+/// there; where no request said when, that wait. `None` when no run past `floor` is within the
+/// limit.
+///
+/// Under a burst an engine's wait for a new request says little of a request already in its
+/// batch: a tenant's first request, routed with 0.75 s of wait, had the next one, 0.44 s later,
+/// see 1.88 s of wait there and compute the prompt a second time elsewhere. And a request
+/// routed later with more of the prompt (the same question) must not make the rest wait for it.
+fn within_limit(
+    index: &PrefixIndex,
+    hashes: &[kvgate_protocol::BlockHash],
+    peer: &Candidate,
+    (floor, run): (u32, u32),
+    own: u32,
+    now_ms: u64,
+) -> Option<(u32, f64)> {
+    let run = run.min(hashes.len() as u32);
+    (floor + 1..=run).rev().find_map(|n| {
+        let limit = kvgate_protocol::load::peer_fetch_limit_secs(n.saturating_sub(own) as usize);
+        let wait =
+            index
+                .ready_ms(peer.slot, hashes[n as usize - 1])
+                .map_or(peer.wait_secs, |ready| {
+                    let left = ready.saturating_sub(now_ms) as f64 / 1e3;
+                    peer.wait_secs.min(left)
+                });
+        (wait <= limit).then_some((n, wait))
+    })
+}
+
+impl Registry {
+    /// How many leading blocks of `hashes` an engine should fetch from `peer`, which holds
+    /// `held` of them in its device pool or host tier and may be computing more, when it holds
+    /// `own` itself: the held ones, and those past them that `peer` will have within the
+    /// fetch's time limit ([`within_limit`]), judged by its entry in `candidates` (none: the
+    /// held ones alone).
+    pub fn fetch_run(
+        &self,
+        hashes: &[kvgate_protocol::BlockHash],
+        candidates: &[Candidate],
+        peer: usize,
+        (held, own): (u32, u32),
+        now_ms: u64,
+    ) -> u32 {
+        let Some(c) = candidates.iter().find(|c| c.slot == peer) else {
+            return held;
+        };
+        if peer >= MAX_ENGINES {
+            return held;
+        }
+        let index = self.index.read().unwrap_or_else(|p| p.into_inner());
+        let run = index.longest_routed(hashes, 1 << peer)[peer];
+        within_limit(&index, hashes, c, (held, run), own, now_ms).map_or(held, |(n, _)| n)
+    }
 }
 
 impl Registry {
@@ -755,14 +799,14 @@ mod tests {
                 .computing_peer(&req, c, engines[0].slot, now)
                 .map(|(e, n)| (e.name.clone(), n))
         };
-        let e1 = Some(("e1".to_owned(), 16));
+        let e1 = |n: u32| Some(("e1".to_owned(), n));
         // A request computing the prompt there, routed with no more than 0.2 s ahead of it:
         // the prompt is that far away, whatever a new request would wait.
         let soon = registry.route(engines[1].slot, &hashes, now + 200);
-        assert_eq!(named(&c), e1);
+        assert_eq!(named(&c), e1(16));
         // A later one changes nothing: the earliest counts while it is in flight.
         let later = registry.route(engines[1].slot, &hashes, now + 5_000);
-        assert_eq!(named(&c), e1);
+        assert_eq!(named(&c), e1(16));
         // Once it ends, when the others expect to have computed it is not known (the earliest
         // is not kept per request): a new request's wait is all there is.
         drop(soon);
@@ -773,22 +817,56 @@ mod tests {
         assert_eq!(named(&c), None);
         // But no later than a new request's wait there.
         c[1].wait_secs = 1.0;
-        assert_eq!(named(&c), e1);
+        assert_eq!(named(&c), e1(16));
         c[1].wait_secs = 3.0;
-        drop(far);
-        // Overdue: the engine is about to hold it, and the fetch waits for the step that does.
-        let overdue = registry.route(engines[1].slot, &hashes, now - 500);
-        assert_eq!(named(&c), e1);
+        // A request with the first 11 blocks, due sooner: those 11 are named, not the 16 that
+        // the later one will have.
+        let part = registry.route(engines[1].slot, &hashes[..11], now + 300);
+        assert_eq!(named(&c), e1(11));
+        drop((far, part));
+        // Overdue, however long: the engine is about to hold it, and the fetch waits (within
+        // its limit) for the step that does.
+        let overdue = registry.route(engines[1].slot, &hashes, now - 5_000);
+        assert_eq!(named(&c), e1(16));
         drop(overdue);
-        // Overdue by more than the limit: the estimate was wrong.
-        let stale = registry.route(engines[1].slot, &hashes, now - 1_500);
-        assert_eq!(named(&c), None);
-        drop(stale);
         // Not said: the wait for a new request is all there is to go on.
         let unknown = registry.route(engines[1].slot, &hashes, u64::MAX);
         assert_eq!(named(&c), None);
         drop(unknown);
         assert_eq!(registry.index.read().unwrap().routed_len(), 0);
+    }
+
+    #[test]
+    fn a_holder_still_computing_more_of_the_prompt_is_fetched_from_as_far_as_it_will_have_it() {
+        let (registry, engines, hashes) = fleet(2, &[1]);
+        let registry = Arc::new(registry);
+        {
+            // Engine 1 holds the first 8 blocks.
+            let mut index = registry.index.write().unwrap();
+            index.clear(engines[1].slot);
+            for h in &hashes[..8] {
+                index.insert(engines[1].slot, *h);
+            }
+        }
+        let req = RouteRequest::new(&hashes, 270, "t", &config());
+        let mut c = registry.candidates(&req, 0, now_ms()).0;
+        c[1].wait_secs = 3.0;
+        let now = now_ms();
+        let run = |c: &[Candidate]| registry.fetch_run(&hashes, c, engines[1].slot, (8, 0), now);
+        assert_eq!(run(&c), 8);
+        // A request there computes all 16, due in 0.3 s: the fetch takes them all.
+        let soon = registry.route(engines[1].slot, &hashes, now + 300);
+        assert_eq!(run(&c), 16);
+        drop(soon);
+        // Due in 3 s: the held 8 alone (the fetch would wait out its limit for the rest).
+        let late = registry.route(engines[1].slot, &hashes, now + 3_000);
+        assert_eq!(run(&c), 8);
+        // Not a candidate (draining, say): the held ones alone.
+        assert_eq!(
+            registry.fetch_run(&hashes, &c[..1], engines[1].slot, (8, 0), now),
+            8
+        );
+        drop(late);
     }
 
     #[test]
