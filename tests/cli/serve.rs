@@ -118,6 +118,7 @@ fn the_quick_start_answers_golden_and_shows_the_kv_cache() {
         "kvgate_kv_usage_ratio",
         "kvgate_prefix_cache_queried_tokens_total",
         "kvgate_preemptions_total",
+        "kvgate_kv_peer_transfers{role=\"fetching\"} 0",
         "kvgate_gateway_requests_total{",
         // The disk tier is on under $KVGATE_HOME.
         "kvgate_kv_tier_capacity_blocks{tier=\"disk\"}",

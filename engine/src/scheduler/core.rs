@@ -161,6 +161,7 @@ impl Scheduler {
                 }],
                 status: SeqStatus::Waiting,
                 cached_tokens: 0,
+                prompt_hashes: hashed.hashes().into(),
                 hashed: Some(hashed),
                 preemptions: 0,
             },
@@ -203,19 +204,8 @@ impl Scheduler {
     pub fn will_compute(&self, hash: BlockHash) -> bool {
         self.kv.will_compute(hash)
             || self.groups.values().any(|g| {
-                g.status == SeqStatus::Waiting
-                    && match &g.hashed {
-                        Some(h) => h.hashes().contains(&hash),
-                        // Preempted to be computed again: its prompt's hashes went with its
-                        // first admission, and are taken again (rarely: preemption is).
-                        None => g.live().next().is_some_and(|s| {
-                            let prompt = &s.tokens[..g.prompt_len.min(s.tokens.len())];
-                            self.kv
-                                .hash_prompt(g.scope, prompt)
-                                .hashes()
-                                .contains(&hash)
-                        }),
-                    }
+                // Waiting for its first admission, or preempted to be computed again.
+                g.status == SeqStatus::Waiting && g.prompt_hashes.contains(&hash)
             })
     }
 

@@ -2,6 +2,7 @@
 
 use super::fairness::TenantId;
 use crate::kv::{HashedPrompt, ScopeId, SeqId};
+use kvgate_protocol::BlockHash;
 
 /// One request.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
@@ -64,6 +65,9 @@ pub struct SeqGroup {
     pub cached_tokens: usize,
     /// The prompt's hashes, kept for the first admission.
     pub(crate) hashed: Option<HashedPrompt>,
+    /// The prompt's block hashes, for as long as the group lives: a group waiting to be
+    /// admitted again (preempted) computes them again ([`super::Scheduler::will_compute`]).
+    pub(crate) prompt_hashes: std::sync::Arc<[BlockHash]>,
     /// Times this group was preempted.
     pub preemptions: u32,
 }

@@ -242,8 +242,9 @@ fn preemption_takes_the_latest_group_and_every_group_completes() {
 #[test]
 fn a_preempted_groups_prompt_is_still_to_be_computed() {
     let mut s = scheduler(16, PreemptMode::Recompute);
+    // Each its own tenant and scope, so its own prompt blocks.
     for i in 0..5 {
-        add(&mut s, i, 0, 8, 1, 24);
+        add_with(&mut s, i, i as u32, 1.0, 8, 1, 24).unwrap();
     }
     let mut steps = 0;
     // A group that was admitted once (its first admission's hashes are gone) and waits again.
@@ -269,6 +270,11 @@ fn a_preempted_groups_prompt_is_still_to_be_computed() {
             "a preempted prompt's block counts as not coming"
         );
     }
+    // A block no request here has does not.
+    let tokens = prompt.to_vec();
+    let elsewhere = s.kv.scope("elsewhere");
+    let other = s.kv.hash_prompt(elsewhere, &tokens);
+    assert!(other.hashes().iter().all(|&h| !s.will_compute(h)));
 }
 
 /// A low-priority group that arrived first is decoded first; a later, higher-priority group then

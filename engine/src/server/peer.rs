@@ -576,8 +576,8 @@ fn client() -> hyper_util::client::legacy::Client<
         .clone()
 }
 
-/// A peer hint: the peer's base URL, and how many leading blocks of the prompt it holds or is
-/// computing, where the gateway said ([`PEER_BLOCKS_HEADER`]).
+/// A peer hint: the peer's base URL, and how many of the prompt's leading blocks to fetch from
+/// it, where the gateway said ([`PEER_BLOCKS_HEADER`]).
 #[derive(Debug, Clone)]
 pub struct Hint {
     pub peer: String,

@@ -370,59 +370,109 @@ pub fn computing_peer(
     }
     let runs = index.longest_routed(hashes, all);
     let own = chosen.matched_blocks.max(runs[chosen.slot]);
-    candidates
+    let floor = own + PEER_MIN_GAIN_BLOCKS - 1;
+    // Longest runs first: one that cannot beat the best found is not looked into.
+    let mut order: Vec<&Candidate> = candidates
         .iter()
-        .filter(|c| c.slot != chosen.slot)
-        .filter_map(|c| {
-            let floor = own + PEER_MIN_GAIN_BLOCKS - 1;
-            let (n, wait) = within_limit(index, hashes, c, (floor, runs[c.slot]), own, now_ms)?;
-            Some((c.slot, n, wait))
-        })
-        .max_by(|a, b| a.1.cmp(&b.1).then(b.2.total_cmp(&a.2)))
-        .map(|(slot, n, _)| (slot, n))
+        .filter(|c| c.slot != chosen.slot && runs[c.slot] > floor)
+        .collect();
+    order.sort_by(|a, b| runs[b.slot].cmp(&runs[a.slot]));
+    let mut best: Option<(usize, u32, f64)> = None;
+    for c in order {
+        if best.is_some_and(|(_, n, _)| runs[c.slot] < n) {
+            break;
+        }
+        let Some((n, wait)) = within_limit(
+            index,
+            hashes,
+            (c.slot, c.wait_secs),
+            (floor, runs[c.slot]),
+            own,
+            now_ms,
+        ) else {
+            continue;
+        };
+        // The longer run; on a tie, the shorter wait.
+        if best.is_none_or(|(_, bn, bw)| n > bn || (n == bn && wait < bw)) {
+            best = Some((c.slot, n, wait));
+        }
+    }
+    best.map(|(slot, n, _)| (slot, n))
 }
 
-/// Of the leading blocks of `hashes` that engine `peer` holds or is computing (`run`, at least
+/// Of the leading blocks of `hashes` that engine `slot` holds or is computing (`run`, at least
 /// `floor` of them), the longest run that it will have within the time a fetch of the blocks
 /// past `own` may take ([`kvgate_protocol::load::peer_fetch_limit_secs`]), and how long before
-/// it has them. A block it holds in its device pool or host tier is there now; one it is
-/// computing is due when the earliest request in flight there with it was expected to have
-/// computed it (at once once that time has passed), and no later than a new request's wait
-/// there; where no request said when, that wait. `None` when no run past `floor` is within the
-/// limit.
+/// it has them. `None` when no run past `floor` is within the limit.
+///
+/// A block the engine holds in its device pool or host tier is there now. One it is computing
+/// is due when the earliest request in flight there with it was expected to have computed it,
+/// and no later than `wait` (its wait for a new request; infinite for an engine that takes
+/// none, a draining one). Once that time has passed the block is taken as about to come (the
+/// request is still in flight), until it is overdue by twice the limit: then the estimate was
+/// wrong (the request was pushed back, or the engine is slower than it said), and `wait` is
+/// all there is. Where no request said when, `wait`.
 ///
 /// Under a burst an engine's wait for a new request says little of a request already in its
 /// batch: a tenant's first request, routed with 0.75 s of wait, had the next one, 0.44 s later,
 /// see 1.88 s of wait there and compute the prompt a second time elsewhere. And a request
 /// routed later with more of the prompt (the same question) must not make the rest wait for it.
+///
+/// A block's due time never comes before its predecessor's (whatever computes it computes
+/// those first), so the longest run is found by bisection: a few probes of the index, whatever
+/// the prompt's length.
 fn within_limit(
     index: &PrefixIndex,
     hashes: &[kvgate_protocol::BlockHash],
-    peer: &Candidate,
+    (slot, wait): (usize, f64),
     (floor, run): (u32, u32),
     own: u32,
     now_ms: u64,
 ) -> Option<(u32, f64)> {
-    let run = run.min(hashes.len() as u32);
-    (floor + 1..=run).rev().find_map(|n| {
+    let due = |n: u32| -> Option<f64> {
         let limit = kvgate_protocol::load::peer_fetch_limit_secs(n.saturating_sub(own) as usize);
-        let wait =
-            index
-                .ready_ms(peer.slot, hashes[n as usize - 1])
-                .map_or(peer.wait_secs, |ready| {
-                    let left = ready.saturating_sub(now_ms) as f64 / 1e3;
-                    peer.wait_secs.min(left)
-                });
-        (wait <= limit).then_some((n, wait))
-    })
+        let secs = match index.ready_ms(slot, hashes[n as usize - 1]) {
+            Some(ready) => {
+                let left = (ready as f64 - now_ms as f64) / 1e3;
+                if left < -2.0 * limit {
+                    wait
+                } else {
+                    wait.min(left.max(0.0))
+                }
+            }
+            None => wait,
+        };
+        (secs <= limit).then_some(secs)
+    };
+    let run = run.min(hashes.len() as u32);
+    if run <= floor {
+        return None;
+    }
+    if let Some(secs) = due(run) {
+        return Some((run, secs));
+    }
+    // The longest run in (floor, run) that is due in time: `lo` is, or is `floor`; `hi` is not.
+    let (mut lo, mut hi) = (floor, run);
+    let mut best = None;
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        match due(mid) {
+            Some(secs) => {
+                lo = mid;
+                best = Some((mid, secs));
+            }
+            None => hi = mid,
+        }
+    }
+    best
 }
 
 impl Registry {
     /// How many leading blocks of `hashes` an engine should fetch from `peer`, which holds
     /// `held` of them in its device pool or host tier and may be computing more, when it holds
     /// `own` itself: the held ones, and those past them that `peer` will have within the
-    /// fetch's time limit ([`within_limit`]), judged by its entry in `candidates` (none: the
-    /// held ones alone).
+    /// fetch's time limit ([`within_limit`]; a peer not among `candidates`, a draining one, by
+    /// its requests' due times alone).
     pub fn fetch_run(
         &self,
         hashes: &[kvgate_protocol::BlockHash],
@@ -431,15 +481,17 @@ impl Registry {
         (held, own): (u32, u32),
         now_ms: u64,
     ) -> u32 {
-        let Some(c) = candidates.iter().find(|c| c.slot == peer) else {
-            return held;
-        };
         if peer >= MAX_ENGINES {
             return held;
         }
+        let wait = candidates
+            .iter()
+            .find(|c| c.slot == peer)
+            .map_or(f64::INFINITY, |c| c.wait_secs);
         let index = self.index.read().unwrap_or_else(|p| p.into_inner());
         let run = index.longest_routed(hashes, 1 << peer)[peer];
-        within_limit(&index, hashes, c, (held, run), own, now_ms).map_or(held, |(n, _)| n)
+        within_limit(&index, hashes, (peer, wait), (held, run), own, now_ms)
+            .map_or(held, |(n, _)| n)
     }
 }
 
@@ -824,11 +876,15 @@ mod tests {
         let part = registry.route(engines[1].slot, &hashes[..11], now + 300);
         assert_eq!(named(&c), e1(11));
         drop((far, part));
-        // Overdue, however long: the engine is about to hold it, and the fetch waits (within
-        // its limit) for the step that does.
-        let overdue = registry.route(engines[1].slot, &hashes, now - 5_000);
+        // Overdue: the engine is about to hold it, and the fetch waits (within its limit) for
+        // the step that does.
+        let overdue = registry.route(engines[1].slot, &hashes, now - 2_000);
         assert_eq!(named(&c), e1(16));
         drop(overdue);
+        // Overdue by more than twice the limit: the estimate was wrong.
+        let stale = registry.route(engines[1].slot, &hashes, now - 3_000);
+        assert_eq!(named(&c), None);
+        drop(stale);
         // Not said: the wait for a new request is all there is to go on.
         let unknown = registry.route(engines[1].slot, &hashes, u64::MAX);
         assert_eq!(named(&c), None);
@@ -861,12 +917,19 @@ mod tests {
         // Due in 3 s: the held 8 alone (the fetch would wait out its limit for the rest).
         let late = registry.route(engines[1].slot, &hashes, now + 3_000);
         assert_eq!(run(&c), 8);
-        // Not a candidate (draining, say): the held ones alone.
-        assert_eq!(
-            registry.fetch_run(&hashes, &c[..1], engines[1].slot, (8, 0), now),
-            8
-        );
+        // Not a candidate (draining, say): judged by its requests' due times alone.
+        let not_candidate =
+            |c: &[Candidate]| registry.fetch_run(&hashes, &c[..1], engines[1].slot, (8, 0), now);
+        assert_eq!(not_candidate(&c), 8);
         drop(late);
+        let soon = registry.route(engines[1].slot, &hashes, now + 300);
+        assert_eq!(not_candidate(&c), 16);
+        drop(soon);
+        // Of a run partly due in time, the part that is.
+        let part = registry.route(engines[1].slot, &hashes[..12], now + 100);
+        let rest = registry.route(engines[1].slot, &hashes, now + 3_000);
+        assert_eq!(run(&c), 12);
+        drop((part, rest));
     }
 
     #[test]
