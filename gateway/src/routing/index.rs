@@ -112,7 +112,7 @@ impl PrefixIndex {
     /// expected to have computed it (`None`: no request in flight there has it, or none said
     /// when).
     pub fn ready_ms(&self, slot: usize, hash: BlockHash) -> Option<u64> {
-        let bit = 1u64 << slot;
+        let bit = 1u64.checked_shl(u32::try_from(slot).ok()?)?;
         if self
             .holders
             .get(&hash.0)
@@ -357,6 +357,13 @@ mod tests {
         idx.clear(1);
         assert!(idx.is_empty());
         assert_eq!(idx.routed_len(), 0);
+        // Due times: a held block now, a routed one when its request said, none past the slots.
+        idx.insert(1, h(0));
+        idx.route_ready(2, &req[..2], 5_000);
+        assert_eq!(idx.ready_ms(1, h(0)), Some(0));
+        assert_eq!(idx.ready_ms(2, h(1)), Some(5_000));
+        assert_eq!(idx.ready_ms(0, h(1)), None);
+        assert_eq!(idx.ready_ms(MAX_ENGINES, h(0)), None);
     }
 
     #[test]

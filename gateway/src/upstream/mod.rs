@@ -431,7 +431,8 @@ fn within_limit(
 ) -> Option<(u32, f64)> {
     let due = |n: u32| -> Option<f64> {
         let limit = kvgate_protocol::load::peer_fetch_limit_secs(n.saturating_sub(own) as usize);
-        let secs = match index.ready_ms(slot, hashes[n as usize - 1]) {
+        let hash = *hashes.get((n as usize).checked_sub(1)?)?;
+        let secs = match index.ready_ms(slot, hash) {
             Some(ready) => {
                 let left = (ready as f64 - now_ms as f64) / 1e3;
                 if left < -2.0 * limit {
@@ -808,11 +809,15 @@ mod tests {
         registry.candidates(&req, 0, now_ms()).0
     }
 
-    /// `n` healthy engines, the first `cached` of them holding 16 blocks whose hashes it returns.
+    /// `n` healthy engines, those in `cached` holding 16 blocks whose hashes it returns.
     fn fleet(
         n: usize,
         cached: &[usize],
-    ) -> (Registry, Vec<Arc<Engine>>, Vec<kvgate_protocol::BlockHash>) {
+    ) -> (
+        Arc<Registry>,
+        Vec<Arc<Engine>>,
+        Vec<kvgate_protocol::BlockHash>,
+    ) {
         let registry = Registry::new();
         let engines: Vec<_> = (0..n)
             .map(|i| {
@@ -832,13 +837,12 @@ mod tests {
                 }
             }
         }
-        (registry, engines, hashes)
+        (Arc::new(registry), engines, hashes)
     }
 
     #[test]
     fn an_engine_computing_the_prefix_is_judged_by_when_its_request_will_have_computed_it() {
         let (registry, engines, hashes) = fleet(2, &[]);
-        let registry = Arc::new(registry);
         let req = RouteRequest::new(&hashes, 270, "t", &config());
         let mut c = registry.candidates(&req, 0, now_ms()).0;
         // Engine 1 has 3 s of wait for a new request, far past the 1.4 s engine 0 waits for a
@@ -894,18 +898,15 @@ mod tests {
 
     #[test]
     fn a_holder_still_computing_more_of_the_prompt_is_fetched_from_as_far_as_it_will_have_it() {
-        let (registry, engines, hashes) = fleet(2, &[1]);
-        let registry = Arc::new(registry);
+        let (registry, engines, hashes) = fleet(2, &[]);
         {
             // Engine 1 holds the first 8 blocks.
             let mut index = registry.index.write().unwrap();
-            index.clear(engines[1].slot);
             for h in &hashes[..8] {
                 index.insert(engines[1].slot, *h);
             }
         }
-        let req = RouteRequest::new(&hashes, 270, "t", &config());
-        let mut c = registry.candidates(&req, 0, now_ms()).0;
+        let mut c = candidates(&registry, &hashes, "t");
         c[1].wait_secs = 3.0;
         let now = now_ms();
         let run = |c: &[Candidate]| registry.fetch_run(&hashes, c, engines[1].slot, (8, 0), now);
@@ -935,7 +936,6 @@ mod tests {
     #[test]
     fn an_engine_computing_the_prefix_is_named_while_its_wait_is_within_the_fetch_limit() {
         let (registry, engines, hashes) = fleet(3, &[]);
-        let registry = Arc::new(registry);
         let req = RouteRequest::new(&hashes, 270, "t", &config());
         let mut c = registry.candidates(&req, 0, now_ms()).0;
         let name = |c: &[Candidate], chosen: usize| {
