@@ -24,18 +24,23 @@
 //! sequences hold, and the full prompt blocks none holds, cached and evicted least recently used
 //! at block granularity; a finished sequence releases its blocks tail first, so a prefix loses
 //! its last blocks before its first ones (as the engine's block pool does). With `max_seqs` 1 an
-//! engine serves one request at a time. A new sequence's blocks enter the index when it is
-//! admitted, evicted ones leave it: the gateway's [`PrefixIndex`] gets the same inserts and
-//! removals (KV events, delivered at once).
+//! engine serves one request at a time. A new sequence's blocks enter the index when the step
+//! that computes them ends (those found cached are there already), evicted ones leave it: the
+//! gateway's [`PrefixIndex`] gets the same inserts and removals (KV events, delivered at once).
 //!
 //! The router is the gateway's own: the simulator gives each engine's state as the gateway sees
 //! it ([`EngineView`]: the engine's [`LoadReport`], built as the engine's worker builds it, fresh
 //! at every decision; the requests in flight; the prompt tokens routed whose first token has not
 //! come back) to the same [`candidates`] and [`Router::choose`] the gateway calls. When the
 //! gateway would name a peer ([`best_peer`], holding more than the chosen engine, where fetching
-//! that costs less than computing it: [`Candidate::fetch_pays`]), the request reaches its engine
-//! after the transfer (`peer_load_secs_per_block` a block, and one block's more for the ask) and
-//! the blocks the peer still holds then are stored there, cached.
+//! that costs less than computing it: [`Candidate::fetch_pays`]; else [`computing_peer`], an
+//! engine computing the prompt for a request routed there that it expects to have computed it
+//! within the fetch's time limit, from the due times the simulator records as the gateway
+//! does), the request waits for the peer to have computed the blocks asked for (a holder's
+//! answer waits for the step that computes them), at most the fetch's time limit, then reaches
+//! its engine after the transfer (`peer_load_secs_per_block` a block, and one block's more for
+//! the ask); the blocks the peer still holds then are stored there, cached. Where the limit
+//! runs out first, what the peer has computed by then comes, and the engine computes the rest.
 //!
 //! With `host_blocks > 0` each engine also has a host tier: a second LRU of that many blocks that
 //! takes the device cache's evictions (and drops its own oldest). A request whose cached run
@@ -56,14 +61,16 @@ use kvgate_gateway::routing::prefix::PromptHasher;
 use kvgate_gateway::routing::{
     engine_id, Candidate, Policy, Router, RouterConfig, MAX_PEER_FETCH_BLOCKS, PEER_MIN_GAIN_BLOCKS,
 };
-use kvgate_gateway::upstream::{best_peer, candidates, EngineView, Registry, RouteRequest};
+use kvgate_gateway::upstream::{
+    best_peer, candidates, computing_peer, fetch_run, EngineView, Registry, RouteRequest,
+};
 use kvgate_protocol::prompt::{ChatMessage, PromptError, PromptRenderer};
 use kvgate_protocol::{BlockHash, BlockHasher, HashParams, LoadReport, StepCost, Tier};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use std::cmp::Ordering;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering as AtomicOrdering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -423,11 +430,28 @@ impl Ord for Time {
 
 /// What happens next: an engine's step ends (the second field is the engine's step count when
 /// it was scheduled: a step rescheduled after a change of speed leaves its earlier event
-/// stale), or a request's prefix has come from a peer (engine, request, peer).
+/// stale), a request's prefix has come from a peer (engine, request, peer, and the most
+/// leading blocks that came), or a request's wait for its peer has run out (the request).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
     Step(usize, u64),
-    Fetched(usize, usize, usize),
+    Fetched(usize, usize, usize, usize),
+    FetchDue(usize),
+}
+
+/// A request whose engine has asked a peer for its prefix, waiting for the peer to have
+/// computed the blocks asked for (as a holder's answer waits for the step that computes them).
+#[derive(Debug, Clone, Copy)]
+struct FetchWait {
+    req: usize,
+    slot: usize,
+    peer: usize,
+    /// Leading blocks of the prompt asked for.
+    blocks: usize,
+    /// Of those, the ones the engine holds itself.
+    own: usize,
+    /// When the engine stops waiting: its fetch's time limit after the ask.
+    due: f64,
 }
 
 /// An engine's step in progress.
@@ -461,6 +485,9 @@ struct Engine {
     cache: Lru,
     /// Full prompt blocks sequences hold, each with how many hold it.
     held: HashMap<u128, u32>,
+    /// Of those, the ones computed: found cached, or passed by a sequence's prefill. A block a
+    /// sequence was admitted with while another still computes it is not, until that one has.
+    computed: HashSet<u128>,
     /// Blocks sequences hold outside the index.
     private: usize,
     /// The host tier: the device pool's evictions, until evicted in turn.
@@ -515,6 +542,17 @@ impl Engine {
             .count()
     }
 
+    /// Leading blocks of `hashes` it has computed, and could send a peer: cached, in the host
+    /// tier, or held and computed. A block admitted but not yet computed is not there yet.
+    fn computed_prefix(&self, hashes: &[BlockHash]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| {
+                self.cache.contains(**h) || self.host.contains(**h) || self.computed.contains(&h.0)
+            })
+            .count()
+    }
+
     /// Makes one block free, evicting the least recently used cached block if none is (to the
     /// host tier when it has one; the index hears of it). False when every block is held.
     fn make_room(
@@ -545,15 +583,17 @@ impl Engine {
     }
 
     /// Makes `h` a block of the device pool that one more sequence holds: from the cache, from
-    /// the host tier or newly computed (`make_room` has made a block free for the last two).
-    fn hold(&mut self, h: BlockHash, index: &mut PrefixIndex) {
+    /// the host tier or newly computed (`make_room` has made a block free for the last two). A
+    /// cached block is computed and indexed already; a new one enters the index once a step has
+    /// computed it, as an engine's KV events report it (`plan` marks those it loads from the
+    /// host tier).
+    fn hold(&mut self, h: BlockHash) {
         if let Some(n) = self.held.get_mut(&h.0) {
             *n += 1;
             return;
         }
-        if !self.cache.remove(h.0) {
-            self.host.remove(h.0);
-            index.insert(self.slot, h);
+        if self.cache.remove(h.0) {
+            self.computed.insert(h.0);
         }
         self.held.insert(h.0, 1);
     }
@@ -597,6 +637,12 @@ pub struct PolicyResult {
     /// Of those fetches, the ones for fewer than `PEER_MIN_GAIN_BLOCKS` blocks (worth a
     /// transfer only where it takes less time than their prefill).
     pub peer_short_fetches: u64,
+    /// Of those fetches, the ones from an engine still computing the prefix for a request
+    /// routed there.
+    pub peer_computing_fetches: u64,
+    /// Of those fetches, the ones whose time limit ran out before the peer had computed all
+    /// the blocks asked for (what it had came, the engine computed the rest).
+    pub peer_fetch_timeouts: u64,
 }
 
 fn max_over_mean(v: &[f64]) -> f64 {
@@ -683,6 +729,10 @@ struct Simulation<'a> {
     peer_fetches: u64,
     peer_tokens: u64,
     peer_short_fetches: u64,
+    peer_computing_fetches: u64,
+    peer_fetch_timeouts: u64,
+    /// Fetches waiting for their peer to compute the blocks asked for.
+    fetch_waits: Vec<FetchWait>,
 }
 
 impl<'a> Simulation<'a> {
@@ -694,6 +744,7 @@ impl<'a> Simulation<'a> {
                 id: engine_id(&format!("engine-{slot}")),
                 cache: Lru::default(),
                 held: HashMap::new(),
+                computed: HashSet::new(),
                 private: 0,
                 host: Lru::default(),
                 waiting: VecDeque::new(),
@@ -755,6 +806,9 @@ impl<'a> Simulation<'a> {
             peer_fetches: 0,
             peer_tokens: 0,
             peer_short_fetches: 0,
+            peer_computing_fetches: 0,
+            peer_fetch_timeouts: 0,
+            fetch_waits: Vec::new(),
         }
     }
 
@@ -860,15 +914,26 @@ impl<'a> Simulation<'a> {
         }
         self.sent[i] = self.now;
         self.outstanding += 1;
-        let (slot, matched, chosen) = self.choose(r);
+        let (slot, matched, chosen, candidates) = self.choose(r);
+        let now_ms = self.now_ms();
         let t0 = Instant::now();
         // As the gateway does: the engine that holds the most of the prefix, when fetching the
-        // rest from it costs the chosen one less than computing it.
+        // rest from it costs the chosen one less than computing it; else one computing it for a
+        // request routed there that will have it within the fetch's time limit.
         let block_size = trace.config.block_size;
-        let peer = chosen.and_then(|c| {
+        let peer = chosen.as_ref().and_then(|c| {
             let all = self.engines.iter().fold(0u64, |m, e| m | (1 << e.slot));
             best_peer(&self.index, &r.hashes, all, slot, 0)
                 .filter(|&(_, n)| c.fetch_pays(n.saturating_sub(matched as u32), block_size))
+                .map(|(from, held)| {
+                    let own = (held, matched as u32);
+                    let n = fetch_run(&self.index, &r.hashes, &candidates, from, own, now_ms);
+                    (from, n, false)
+                })
+                .or_else(|| {
+                    computing_peer(&self.index, &r.hashes, &candidates, c, now_ms)
+                        .map(|(from, n)| (from, n, true))
+                })
         });
         self.decision_ns += t0.elapsed().as_nanos();
         let routed = (r.prompt_tokens as usize).saturating_sub(matched * self.block_size()) as u64;
@@ -884,21 +949,78 @@ impl<'a> Simulation<'a> {
             }
         }
         if peer.is_none() && !oracle {
-            self.index.route(slot, &r.hashes);
+            // Expected to have computed its prompt once its wait and its prefill are over, as
+            // the gateway expects it.
+            let ready_ms = chosen
+                .as_ref()
+                .map(|c| c.wait_secs + routed as f64 * c.secs_per_token)
+                .filter(|secs| secs.is_finite())
+                .map_or(u64::MAX, |secs| {
+                    now_ms.saturating_add((secs.clamp(0.0, 86_400.0) * 1e3) as u64)
+                });
+            self.index.route_ready(slot, &r.hashes, ready_ms);
             self.computing[i] = true;
         }
         match peer {
-            Some((from, n)) => {
+            Some((from, n, computing)) => {
                 let blocks = n.saturating_sub(matched as u32).min(MAX_PEER_FETCH_BLOCKS);
-                let at = self.now + f64::from(blocks + 1) * trace.config.peer_load_secs_per_block;
                 self.peer_fetches += 1;
                 if blocks < PEER_MIN_GAIN_BLOCKS {
                     self.peer_short_fetches += 1;
                 }
-                self.schedule(at, Event::Fetched(slot, i, from));
+                if computing {
+                    self.peer_computing_fetches += 1;
+                }
+                let due = self.now + kvgate_protocol::load::peer_fetch_limit_secs(blocks as usize);
+                self.schedule(due, Event::FetchDue(i));
+                self.fetch_waits.push(FetchWait {
+                    req: i,
+                    slot,
+                    peer: from,
+                    blocks: (matched + blocks as usize).min(r.hashes.len()),
+                    own: matched,
+                    due,
+                });
+                self.start_fetches(from);
             }
             None => self.enqueue(slot, i),
         }
+    }
+
+    /// The simulation's clock in milliseconds, as the gateway's due times are kept.
+    fn now_ms(&self) -> u64 {
+        (self.now * 1e3) as u64
+    }
+
+    /// Starts the transfers of the fetches waiting for engine `peer` that it has now computed
+    /// all the blocks of. A transfer takes its blocks' time, and ends by the fetch's time limit
+    /// at the latest (the holder sends blocks as they are computed, during the wait).
+    fn start_fetches(&mut self, peer: usize) {
+        let (trace, secs_per_block) = (self.trace, self.trace.config.peer_load_secs_per_block);
+        let e = &self.engines[peer];
+        let (ready, waiting): (Vec<FetchWait>, Vec<FetchWait>) =
+            self.fetch_waits.iter().partition(|w| {
+                w.peer == peer
+                    && e.computed_prefix(&trace.requests[w.req].hashes[..w.blocks]) == w.blocks
+            });
+        self.fetch_waits = waiting;
+        for w in ready {
+            let at = self.now + (w.blocks - w.own + 1) as f64 * secs_per_block;
+            let at = at.min(w.due).max(self.now);
+            self.schedule(at, Event::Fetched(w.slot, w.req, w.peer, w.blocks));
+        }
+    }
+
+    /// Request `i`'s wait for its peer has run out: the blocks the peer has computed come, and
+    /// the engine computes the rest.
+    fn fetch_due(&mut self, i: usize) {
+        let Some(k) = self.fetch_waits.iter().position(|w| w.req == i) else {
+            return;
+        };
+        let w = self.fetch_waits.swap_remove(k);
+        let computed = self.engines[w.peer].computed_prefix(&self.trace.requests[i].hashes);
+        self.peer_fetch_timeouts += 1;
+        self.fetched(w.slot, i, w.peer, computed.min(w.blocks));
     }
 
     /// Request `i` joins engine `slot`'s queue.
@@ -913,9 +1035,10 @@ impl<'a> Simulation<'a> {
         self.next_step(slot);
     }
 
-    /// The engine for `r` and the prefix blocks it is believed to hold, by the policy.
-    fn choose(&mut self, r: &Request) -> (usize, usize, Option<Candidate>) {
-        let (slot, matched, reason, chosen) = match self.policy {
+    /// The engine for `r` and the prefix blocks it is believed to hold, by the policy, with its
+    /// candidate and all the candidates (none for the oracle).
+    fn choose(&mut self, r: &Request) -> (usize, usize, Option<Candidate>, Vec<Candidate>) {
+        let (slot, matched, reason, chosen, candidates) = match self.policy {
             SimPolicy::Router(_) => {
                 let reports: Vec<LoadReport> =
                     self.engines.iter().map(|e| self.report(e)).collect();
@@ -957,8 +1080,14 @@ impl<'a> Simulation<'a> {
                 };
                 self.decision_ns += t0.elapsed().as_nanos();
                 let matched = choice.matched_blocks as usize;
-                let chosen = candidates.into_iter().find(|c| c.slot == choice.slot);
-                (choice.slot, matched, choice.reason.as_str(), chosen)
+                let chosen = candidates.iter().find(|c| c.slot == choice.slot).copied();
+                (
+                    choice.slot,
+                    matched,
+                    choice.reason.as_str(),
+                    chosen,
+                    candidates,
+                )
             }
             SimPolicy::Oracle => {
                 let t0 = Instant::now();
@@ -987,21 +1116,21 @@ impl<'a> Simulation<'a> {
                 } else {
                     "least_loaded"
                 };
-                (slot, matched, reason, None)
+                (slot, matched, reason, None, Vec::new())
             }
         };
         *self.reasons.entry(reason.to_owned()).or_default() += 1;
-        (slot, matched, chosen)
+        (slot, matched, chosen, candidates)
     }
 
-    /// Request `i`'s prefix has come to engine `slot` from `peer`: the blocks the peer holds
-    /// now beyond the engine's own are stored there (cached, as a transfer's are), and the
-    /// request joins the engine's queue.
-    fn fetched(&mut self, slot: usize, i: usize, peer: usize) {
+    /// Request `i`'s prefix has come to engine `slot` from `peer`: of its first `blocks`, those
+    /// the peer holds now beyond the engine's own are stored there (cached, as a transfer's
+    /// are), and the request joins the engine's queue.
+    fn fetched(&mut self, slot: usize, i: usize, peer: usize, blocks: usize) {
         let (capacity, host_capacity) = (self.trace.capacity_blocks, self.trace.config.host_blocks);
         let b = self.block_size();
         let r = &self.trace.requests[i];
-        let sent = self.engines[peer].fast_prefix(&r.hashes);
+        let sent = self.engines[peer].fast_prefix(&r.hashes).min(blocks);
         let e = &mut self.engines[slot];
         let own = e.device_prefix(&r.hashes);
         let sent = sent.min(own + MAX_PEER_FETCH_BLOCKS as usize);
@@ -1042,6 +1171,10 @@ impl<'a> Simulation<'a> {
         }
         self.peer_tokens += (stored * b) as u64;
         self.check(slot);
+        // What came is cached here: a fetch waiting for this engine may have it all now.
+        if self.fetch_waits.iter().any(|w| w.peer == slot) {
+            self.start_fetches(slot);
+        }
         self.enqueue(slot, i);
     }
 
@@ -1143,7 +1276,12 @@ impl<'a> Simulation<'a> {
                 if !e.holds(*h) && !e.make_room(capacity, host_capacity, &mut self.index) {
                     unreachable!("admission counted the blocks");
                 }
-                e.hold(*h, &mut self.index);
+                e.hold(*h);
+            }
+            // Blocks loaded from the host tier are back in the device pool with this step.
+            for h in &r.hashes[device..device + host] {
+                e.computed.insert(h.0);
+                self.index.insert(slot, *h);
             }
             let private = total - r.hashes.len();
             for _ in 0..private {
@@ -1186,14 +1324,22 @@ impl<'a> Simulation<'a> {
         let Some(std::cmp::Reverse((Time(t), _, event))) = self.events.pop() else {
             return;
         };
+        // A step rescheduled after a change of speed, or a fetch's time limit after its
+        // transfer started, is nothing: the clock does not move for it (the run's length is
+        // the clock's last time).
+        let stale = match event {
+            Event::Step(slot, g) => self.engines[slot].phase.is_none_or(|p| p.generation != g),
+            Event::FetchDue(i) => !self.fetch_waits.iter().any(|w| w.req == i),
+            Event::Fetched(..) => false,
+        };
+        if stale {
+            return;
+        }
         self.now = t;
         match event {
-            Event::Step(slot, g) if self.engines[slot].phase.is_some_and(|p| p.generation == g) => {
-                self.step_done(slot)
-            }
-            Event::Fetched(slot, i, peer) => self.fetched(slot, i, peer),
-            // Rescheduled after a change of speed.
-            Event::Step(..) => {}
+            Event::Step(slot, _) => self.step_done(slot),
+            Event::Fetched(slot, i, peer, blocks) => self.fetched(slot, i, peer, blocks),
+            Event::FetchDue(i) => self.fetch_due(i),
         }
     }
 
@@ -1215,6 +1361,13 @@ impl<'a> Simulation<'a> {
             if s.chunk > 0 {
                 s.prefilled += s.chunk;
                 s.chunk = 0;
+                // The full blocks its prefill has passed are computed (this step's, and those
+                // it was admitted with from the host tier).
+                for h in r.hashes.iter().take(s.prefilled / b) {
+                    if e.computed.insert(h.0) {
+                        self.index.insert(slot, *h);
+                    }
+                }
                 if s.prefilled == prompt {
                     s.generated = 1;
                     first.push(s.req);
@@ -1241,6 +1394,7 @@ impl<'a> Simulation<'a> {
                     Some(n) if *n > 1 => *n -= 1,
                     _ => {
                         e.held.remove(&h.0);
+                        e.computed.remove(&h.0);
                         e.cache.touch(h.0);
                     }
                 }
@@ -1269,6 +1423,9 @@ impl<'a> Simulation<'a> {
         }
         self.outstanding -= finished.len();
         self.check(slot);
+        if self.fetch_waits.iter().any(|w| w.peer == slot) {
+            self.start_fetches(slot);
+        }
         let (tokens, work) = self.plan(slot);
         if tokens > 0 {
             self.begin_step(slot, tokens, work);
@@ -1287,14 +1444,18 @@ impl<'a> Simulation<'a> {
         let e = &self.engines[slot];
         assert_eq!(
             self.index.len(slot),
-            e.cache.len() + e.held.len() + e.host.len(),
+            e.cache.len() + e.computed.len() + e.host.len(),
             "index size, engine {slot}"
         );
         assert!(
             e.cache.len() + e.held.len() + e.private <= self.trace.capacity_blocks,
             "engine {slot} holds more blocks than its pool"
         );
-        for h in e.cache.stamp.keys().chain(e.held.keys()) {
+        assert!(
+            e.computed.iter().all(|h| e.held.contains_key(h)),
+            "engine {slot} counts a block computed that no sequence holds"
+        );
+        for h in e.cache.stamp.keys().chain(&e.computed) {
             assert_eq!(
                 self.index.longest_matches(&[BlockHash(*h)], 1 << slot)[slot],
                 1,
@@ -1349,6 +1510,8 @@ impl<'a> Simulation<'a> {
             peer_fetches: self.peer_fetches,
             peer_tokens: self.peer_tokens,
             peer_short_fetches: self.peer_short_fetches,
+            peer_computing_fetches: self.peer_computing_fetches,
+            peer_fetch_timeouts: self.peer_fetch_timeouts,
         }
     }
 }
@@ -1856,6 +2019,172 @@ mod tests {
         assert!(fetches > 50 && fast == 0, "{fast} of {fetches}");
     }
 
+    /// A trace of `small` with `config`'s changes, two of its requests whose prompts share at
+    /// least 4 leading blocks, and how many they share.
+    fn sharing(config: impl FnOnce(&mut SimConfig)) -> (Trace, usize, usize, usize) {
+        let mut cfg = small(Some(1 << 20));
+        config(&mut cfg);
+        let trace = Trace::generate(&cfg);
+        let (i, j, n) = sharing_in(&trace, 4);
+        (trace, i, j, n)
+    }
+
+    /// Two requests of `trace` whose prompts share at least `blocks` leading blocks, and how
+    /// many they share.
+    fn sharing_in(trace: &Trace, blocks: usize) -> (usize, usize, usize) {
+        let reqs = &trace.requests;
+        let shared = |a: usize, b: usize| {
+            (reqs[a].hashes.iter())
+                .zip(&reqs[b].hashes)
+                .take_while(|(x, y)| x == y)
+                .count()
+        };
+        (0..reqs.len())
+            .flat_map(|i| (i + 1..reqs.len()).map(move |j| (i, j)))
+            .find(|&(i, j)| shared(i, j) >= blocks)
+            .map(|(i, j)| (i, j, shared(i, j)))
+            .unwrap()
+    }
+
+    /// A simulation of `trace` under `prefix` where requests `reqs` have arrived at engine 1 (as
+    /// an arrival counts them) and the engine has planned its first step.
+    fn started_on_engine_1<'a>(trace: &'a Trace, reqs: &[usize]) -> Simulation<'a> {
+        let mut sim = Simulation::new(trace, SimPolicy::Router(Policy::Prefix), true);
+        sim.engines[1].inflight += reqs.len() as u64;
+        sim.outstanding += reqs.len();
+        sim.engines[1].waiting.extend(reqs);
+        sim.next_step(1);
+        sim
+    }
+
+    #[test]
+    fn a_fetch_waits_for_the_step_that_computes_its_blocks() {
+        // Prefills of two blocks a step: a prompt is computed over several steps.
+        let (trace, i, j, n) = sharing(|cfg| cfg.max_batched_tokens = 32);
+        // Engine 1 admits request j, whose prompt starts as i's does, and starts its prefill;
+        // engine 0 asks it for i's first n blocks.
+        let asked = || {
+            let mut sim = started_on_engine_1(&trace, &[j]);
+            sim.fetch_waits.push(FetchWait {
+                req: i,
+                slot: 0,
+                peer: 1,
+                blocks: n,
+                own: 0,
+                due: 10.0,
+            });
+            sim.start_fetches(1);
+            sim
+        };
+        let transfers = |sim: &Simulation| {
+            (sim.events.iter())
+                .filter(|e| matches!((e.0).2, Event::Fetched(0, r, 1, b) if r == i && b == n))
+                .count()
+        };
+        let mut sim = asked();
+        // It holds the blocks and has computed none: no transfer yet, and nothing in the index
+        // (no KV event has said so).
+        let indexed = |sim: &Simulation| {
+            sim.index
+                .longest_matches(&trace.requests[i].hashes[..n], 1 << 1)[1] as usize
+        };
+        assert_eq!(sim.engines[1].device_prefix(&trace.requests[i].hashes), n);
+        assert_eq!(
+            (indexed(&sim), transfers(&sim), sim.fetch_waits.len()),
+            (0, 0, 1)
+        );
+        // The transfer starts with the step that computes the n-th block.
+        for _ in 1..n.div_ceil(2) {
+            sim.next_event();
+            assert_eq!(transfers(&sim), 0);
+        }
+        sim.next_event();
+        assert_eq!(
+            (indexed(&sim), transfers(&sim), sim.fetch_waits.len()),
+            (n, 1, 0)
+        );
+        while transfers(&sim) > 0 {
+            sim.next_event();
+        }
+        // The n blocks came, and engine 0, idle, admitted the request at once with them.
+        assert_eq!(
+            (sim.peer_tokens, sim.cached_blocks[i]),
+            ((n * 16) as u64, n)
+        );
+        assert_eq!(sim.peer_fetch_timeouts, 0);
+        // Where the wait runs out after the first step, the two blocks computed come and engine
+        // 0 computes the rest.
+        let mut sim = asked();
+        sim.next_event();
+        sim.fetch_due(i);
+        assert_eq!((sim.peer_tokens, sim.cached_blocks[i]), (32, 2));
+        assert_eq!(sim.peer_fetch_timeouts, 1);
+        // A wait already over is left alone when its time comes.
+        sim.fetch_due(i);
+        assert_eq!((sim.peer_tokens, sim.peer_fetch_timeouts), (32, 1));
+    }
+
+    #[test]
+    fn a_block_admitted_beside_the_request_computing_it_is_not_sent_before_it_is_computed() {
+        let (trace, i, j, n) = sharing(|cfg| cfg.max_seqs = 2);
+        // Engine 1 admits requests i and j in one step: j's first n blocks are i's, held by both
+        // and computed by neither yet.
+        let mut sim = started_on_engine_1(&trace, &[i, j]);
+        assert_eq!(sim.engines[1].running.len(), 2);
+        let hashes = &trace.requests[j].hashes;
+        assert_eq!(sim.engines[1].computed_prefix(hashes), 0);
+        // Once the step ends they are.
+        sim.next_event();
+        assert!(sim.engines[1].computed_prefix(hashes) >= n);
+    }
+
+    #[test]
+    fn a_request_sent_elsewhere_while_its_prefix_is_computed_fetches_it_when_computed() {
+        // One tenant's first two requests at once, on two engines at this machine's speed: round
+        // robin sends the second to the other engine while the first computes the system prompt
+        // (about 0.54 s, within the fetch's 1.3 s limit).
+        let cfg = SimConfig {
+            engines: 2,
+            tenants: 1,
+            requests: 2,
+            system_tokens: (176, 190),
+            user_tokens: (8, 16),
+            output_tokens: (4, 4),
+            capacity_blocks: Some(160),
+            clients: Some(2),
+            max_seqs: 8,
+            step_curve: vec![
+                (1, 0.033),
+                (16, 0.072),
+                (64, 0.206),
+                (157, 0.539),
+                (468, 1.532),
+            ],
+            ..SimConfig::default()
+        };
+        let trace = Trace::generate(&cfg);
+        let system_blocks = trace.requests[0]
+            .hashes
+            .iter()
+            .zip(&trace.requests[1].hashes)
+            .take_while(|(a, b)| a == b)
+            .count();
+        assert!(system_blocks >= 10, "{system_blocks}");
+        let rr = run(&trace, SimPolicy::Router(Policy::RoundRobin), true);
+        // It waits for the first engine to have computed the prompt and fetches it, rather than
+        // compute it a second time: as cached as where both go to one engine.
+        assert_eq!(
+            (rr.peer_computing_fetches, rr.peer_fetch_timeouts),
+            (1, 0),
+            "{rr:?}"
+        );
+        assert_eq!(rr.peer_tokens, (system_blocks * 16) as u64);
+        let one = run(&trace, SimPolicy::Router(Policy::ConsistentHash), true);
+        assert_eq!(one.per_engine_requests.iter().max(), Some(&2));
+        assert_eq!(rr.hit_rate, one.hit_rate);
+        assert!(rr.hit_rate > 0.4, "{rr:?}");
+    }
+
     #[test]
     fn a_transfer_never_evicts_the_prefix_it_continues() {
         let trace = Trace::generate(&small(Some(60)));
@@ -1878,7 +2207,7 @@ mod tests {
             sim.engines[0].cache.touch(u128::MAX - k);
             sim.index.insert(0, BlockHash(u128::MAX - k));
         }
-        sim.fetched(0, i, 1);
+        sim.fetched(0, i, 1, usize::MAX);
         // The transfer evicted others' blocks, not the head it continues: the request, admitted
         // at once, found its whole prefix cached.
         assert_eq!(sim.cached_blocks[i], r.hashes.len());
