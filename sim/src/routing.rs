@@ -586,14 +586,17 @@ impl Engine {
     /// the host tier or newly computed (`make_room` has made a block free for the last two). A
     /// cached block is computed and indexed already; a new one enters the index once a step has
     /// computed it, as an engine's KV events report it (`plan` marks those it loads from the
-    /// host tier).
-    fn hold(&mut self, h: BlockHash) {
+    /// host tier). A host-tier copy past the prompt's cached run is not loaded but computed
+    /// anew: it leaves the tier and the index.
+    fn hold(&mut self, h: BlockHash, index: &mut PrefixIndex) {
         if let Some(n) = self.held.get_mut(&h.0) {
             *n += 1;
             return;
         }
         if self.cache.remove(h.0) {
             self.computed.insert(h.0);
+        } else if self.host.remove(h.0) {
+            index.remove(self.slot, h);
         }
         self.held.insert(h.0, 1);
     }
@@ -1276,7 +1279,7 @@ impl<'a> Simulation<'a> {
                 if !e.holds(*h) && !e.make_room(capacity, host_capacity, &mut self.index) {
                     unreachable!("admission counted the blocks");
                 }
-                e.hold(*h);
+                e.hold(*h, &mut self.index);
             }
             // Blocks loaded from the host tier are back in the device pool with this step.
             for h in &r.hashes[device..device + host] {
@@ -1887,6 +1890,31 @@ mod tests {
                 b.hit_rate
             );
         }
+    }
+
+    #[test]
+    fn a_host_tier_copy_past_the_cached_run_is_computed_anew() {
+        let mut cfg = small(Some(1 << 20));
+        cfg.host_blocks = 16;
+        let trace = Trace::generate(&cfg);
+        let i = (0..trace.len())
+            .find(|&i| trace.requests[i].hashes.len() >= 4)
+            .unwrap();
+        let hashes = &trace.requests[i].hashes;
+        let mut sim = Simulation::new(&trace, SimPolicy::Router(Policy::Prefix), true);
+        // Engine 1's host tier has the prompt's second block, not its first.
+        sim.engines[1].host.touch(hashes[1].0);
+        sim.index.insert_at(1, hashes[1], Tier::Host);
+        sim.engines[1].inflight += 1;
+        sim.outstanding += 1;
+        sim.engines[1].waiting.push_back(i);
+        sim.next_step(1);
+        // Nothing is cached in front of it: it is computed with the rest, and its host copy
+        // leaves the tier (the index checked true at the admission and at the step's end).
+        assert_eq!(sim.cached_blocks[i], 0);
+        assert!(!sim.engines[1].host.contains(hashes[1]));
+        sim.next_event();
+        assert_eq!(sim.engines[1].computed_prefix(hashes), hashes.len());
     }
 
     #[test]
