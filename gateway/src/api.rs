@@ -691,43 +691,16 @@ async fn forward(
         // will be done within the chosen engine's fetch limit: the chosen engine is told where
         // to fetch it from.
         let chosen = candidates.iter().find(|c| c.slot == choice.slot);
-        let peer = gw
-            .registry
-            .best_peer(&prepared.hashes.hashes, engine.slot, exclude, now)
-            .filter(|(_, n)| {
-                chosen.is_some_and(|c| {
-                    c.fetch_pays(
-                        n.saturating_sub(choice.matched_blocks),
-                        gw.config.block_size,
-                    )
-                })
-            })
-            .map(|(peer, held)| {
-                let own = (held, choice.matched_blocks);
-                let n = (gw.registry).fetch_run(
-                    &prepared.hashes.hashes,
-                    &candidates,
-                    peer.slot,
-                    own,
-                    now,
-                );
-                (peer, n)
-            })
-            .or_else(|| {
-                gw.registry
-                    .computing_peer(&req, &candidates, choice.slot, now)
+        let peer = chosen
+            .and_then(|c| {
+                let block = gw.config.block_size;
+                let hashes = &prepared.hashes.hashes;
+                (gw.registry).peer_for(hashes, &candidates, c, exclude, block, now)
             })
             .and_then(|(peer, n)| Some((HeaderValue::from_str(&peer.url).ok()?, peer, n)));
         // The prompt counts as being computed there until the request ends, unless the engine
         // is to fetch it (until its fetch ends, it computes none of it).
-        // It is expected to have computed the prompt once its wait there and its own prefill
-        // are over.
-        let ready_ms = chosen
-            .map(|c| c.wait_secs + prefill as f64 * c.secs_per_token)
-            .filter(|secs| secs.is_finite())
-            .map_or(u64::MAX, |secs| {
-                now.saturating_add((secs.clamp(0.0, 86_400.0) * 1e3) as u64)
-            });
+        let ready_ms = chosen.map_or(u64::MAX, |c| c.ready_ms(prefill, now));
         let routed = peer.is_none().then(|| {
             gw.registry
                 .route(engine.slot, &prepared.hashes.hashes, ready_ms)

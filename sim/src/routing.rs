@@ -32,11 +32,10 @@
 //! it ([`EngineView`]: the engine's [`LoadReport`], built as the engine's worker builds it, fresh
 //! at every decision; the requests in flight; the prompt tokens routed whose first token has not
 //! come back) to the same [`candidates`] and [`Router::choose`] the gateway calls. When the
-//! gateway would name a peer ([`best_peer`], holding more than the chosen engine, where fetching
-//! that costs less than computing it: [`Candidate::fetch_pays`]; else [`computing_peer`], an
-//! engine computing the prompt for a request routed there that it expects to have computed it
-//! within the fetch's time limit, from the due times the simulator records as the gateway
-//! does), the request waits for the peer to have computed the blocks asked for (a holder's
+//! gateway would name a peer ([`peer_for`]: one holding more than the chosen engine, where
+//! fetching that costs less than computing it, [`Candidate::fetch_pays`]; else one computing the
+//! prompt for a request routed there that it expects to have computed it within the fetch's time
+//! limit, from the due times the simulator records as the gateway does), the request waits for the peer to have computed the blocks asked for (a holder's
 //! answer waits for the step that computes them), at most the fetch's time limit, then reaches
 //! its engine after the transfer (`peer_load_secs_per_block` a block, and one block's more for
 //! the ask); the blocks the peer still holds then are stored there, cached. Where the limit
@@ -61,9 +60,7 @@ use kvgate_gateway::routing::prefix::PromptHasher;
 use kvgate_gateway::routing::{
     engine_id, Candidate, Policy, Router, RouterConfig, MAX_PEER_FETCH_BLOCKS, PEER_MIN_GAIN_BLOCKS,
 };
-use kvgate_gateway::upstream::{
-    best_peer, candidates, computing_peer, fetch_run, EngineView, Registry, RouteRequest,
-};
+use kvgate_gateway::upstream::{candidates, peer_for, EngineView, Peer, Registry, RouteRequest};
 use kvgate_protocol::prompt::{ChatMessage, PromptError, PromptRenderer};
 use kvgate_protocol::{BlockHash, BlockHasher, HashParams, LoadReport, StepCost, Tier};
 use rand::rngs::StdRng;
@@ -924,19 +921,17 @@ impl<'a> Simulation<'a> {
         // rest from it costs the chosen one less than computing it; else one computing it for a
         // request routed there that will have it within the fetch's time limit.
         let block_size = trace.config.block_size;
+        let all = self.engines.iter().fold(0u64, |m, e| m | (1 << e.slot));
         let peer = chosen.as_ref().and_then(|c| {
-            let all = self.engines.iter().fold(0u64, |m, e| m | (1 << e.slot));
-            best_peer(&self.index, &r.hashes, all, slot, 0)
-                .filter(|&(_, n)| c.fetch_pays(n.saturating_sub(matched as u32), block_size))
-                .map(|(from, held)| {
-                    let own = (held, matched as u32);
-                    let n = fetch_run(&self.index, &r.hashes, &candidates, from, own, now_ms);
-                    (from, n, false)
-                })
-                .or_else(|| {
-                    computing_peer(&self.index, &r.hashes, &candidates, c, now_ms)
-                        .map(|(from, n)| (from, n, true))
-                })
+            peer_for(
+                &self.index,
+                &r.hashes,
+                &candidates,
+                c,
+                (all, 0),
+                block_size,
+                now_ms,
+            )
         });
         self.decision_ns += t0.elapsed().as_nanos();
         let routed = (r.prompt_tokens as usize).saturating_sub(matched * self.block_size()) as u64;
@@ -952,20 +947,17 @@ impl<'a> Simulation<'a> {
             }
         }
         if peer.is_none() && !oracle {
-            // Expected to have computed its prompt once its wait and its prefill are over, as
-            // the gateway expects it.
-            let ready_ms = chosen
-                .as_ref()
-                .map(|c| c.wait_secs + routed as f64 * c.secs_per_token)
-                .filter(|secs| secs.is_finite())
-                .map_or(u64::MAX, |secs| {
-                    now_ms.saturating_add((secs.clamp(0.0, 86_400.0) * 1e3) as u64)
-                });
+            // Expected to have computed its prompt when the gateway expects it.
+            let ready_ms = chosen.map_or(u64::MAX, |c| c.ready_ms(routed, now_ms));
             self.index.route_ready(slot, &r.hashes, ready_ms);
             self.computing[i] = true;
         }
         match peer {
-            Some((from, n, computing)) => {
+            Some(Peer {
+                slot: from,
+                blocks: n,
+                computing,
+            }) => {
                 let blocks = n.saturating_sub(matched as u32).min(MAX_PEER_FETCH_BLOCKS);
                 self.peer_fetches += 1;
                 if blocks < PEER_MIN_GAIN_BLOCKS {
@@ -1720,13 +1712,9 @@ impl DecisionPath {
             .router
             .choose(ph.affinity, ph.prompt_tokens, 256, &candidates)
         {
-            let peer = self
-                .registry
-                .best_peer(&ph.hashes, choice.slot, 0, 0)
-                .or_else(|| {
-                    self.registry
-                        .computing_peer(&req, &candidates, choice.slot, 0)
-                });
+            let block = self.router.config().block_size;
+            let peer = (candidates.iter().find(|c| c.slot == choice.slot))
+                .and_then(|c| (self.registry).peer_for(&ph.hashes, &candidates, c, 0, block, 0));
             std::hint::black_box(peer);
             drop(std::hint::black_box(self.registry.route(
                 choice.slot,
@@ -2168,9 +2156,9 @@ mod tests {
 
     #[test]
     fn a_request_sent_elsewhere_while_its_prefix_is_computed_fetches_it_when_computed() {
-        // One tenant's first two requests at once, on two engines at this machine's speed: round
-        // robin sends the second to the other engine while the first computes the system prompt
-        // (about 0.54 s, within the fetch's 1.3 s limit).
+        // One tenant's first two requests at once, on two engines of a slow CPU (a step of 157
+        // tokens takes 0.54 s): round robin sends the second to the other engine while the first
+        // computes the system prompt, within the fetch's 1.3 s limit.
         let cfg = SimConfig {
             engines: 2,
             tenants: 1,
@@ -2191,13 +2179,8 @@ mod tests {
             ..SimConfig::default()
         };
         let trace = Trace::generate(&cfg);
-        let system_blocks = trace.requests[0]
-            .hashes
-            .iter()
-            .zip(&trace.requests[1].hashes)
-            .take_while(|(a, b)| a == b)
-            .count();
-        assert!(system_blocks >= 10, "{system_blocks}");
+        // The two share a system prompt of ten blocks or more.
+        let (_, _, system_blocks) = sharing_in(&trace, 10);
         let rr = run(&trace, SimPolicy::Router(Policy::RoundRobin), true);
         // It waits for the first engine to have computed the prompt and fetches it, rather than
         // compute it a second time: as cached as where both go to one engine.

@@ -176,6 +176,17 @@ impl Candidate {
         gain > 0 && peer_fetch_secs(gain) < compute
     }
 
+    /// When a request routed here now (`now_ms`) is expected to have computed its prompt: once
+    /// its wait here and the prefill of its `prefill` uncached tokens are over (`u64::MAX`:
+    /// not known). What [`crate::routing::index::PrefixIndex::route_ready`] records.
+    pub fn ready_ms(&self, prefill: u64, now_ms: u64) -> u64 {
+        let secs = self.wait_secs + prefill as f64 * self.secs_per_token;
+        if !secs.is_finite() {
+            return u64::MAX;
+        }
+        now_ms.saturating_add((secs.clamp(0.0, 86_400.0) * 1e3) as u64)
+    }
+
     /// The share of the new blocks that `tokens` computed here take (blocks of `block` tokens)
     /// that evicts cached prefixes: those its free blocks do not hold.
     pub fn evicting_share(&self, tokens: usize, block: usize) -> f64 {

@@ -295,7 +295,7 @@ impl Registry {
     }
 }
 
-pub use peer::{best_peer, computing_peer, fetch_run, PEER_MIN_GAIN_BLOCKS};
+pub use peer::{peer_for, Peer, PEER_MIN_GAIN_BLOCKS};
 
 /// A request's prompt blocks, counted as routed to its engine ([`PrefixIndex::route`]) until
 /// this is dropped: when the request ends, however it ends.

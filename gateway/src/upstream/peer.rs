@@ -1,36 +1,13 @@
-//! The engine that sends a request's prefix to the one it is routed to: one that holds it
-//! ([`best_peer`]), or one still computing it for a request routed there ([`computing_peer`]),
-//! and how many blocks to ask of it ([`Registry::fetch_run`]), judged by when it will have them.
+//! The engine that sends a request's prefix to the one it is routed to ([`peer_for`]): one that
+//! holds it ([`best_peer`]), or one still computing it for a request routed there
+//! ([`computing_peer`]), and how many blocks to ask of it ([`fetch_run`]), judged by when it
+//! will have them. The gateway and the routing simulator both name peers through [`peer_for`].
 
-use super::{Candidate, Engine, Registry, RouteRequest};
+use super::{Candidate, Engine, Registry};
 use crate::routing::index::{PrefixIndex, MAX_ENGINES};
 use std::sync::Arc;
 
 pub use crate::routing::PEER_MIN_GAIN_BLOCKS;
-
-impl Registry {
-    /// The engine other than `chosen` (and those in `exclude`, which failed this request) that
-    /// holds the longest leading run of `hashes` in its device pool or host tier (what it sends
-    /// a peer), with that run's length, when it is up and its circuit closed. A draining engine
-    /// counts: its cache is still good.
-    pub fn best_peer(
-        &self,
-        hashes: &[kvgate_protocol::BlockHash],
-        chosen: usize,
-        exclude: u64,
-        now_ms: u64,
-    ) -> Option<(Arc<Engine>, u32)> {
-        let all = self.all();
-        let peers = all
-            .iter()
-            .filter(|e| e.can_be_peer(now_ms))
-            .fold(0u64, |m, e| m | (1 << e.slot));
-        let index = self.index.read().unwrap_or_else(|p| p.into_inner());
-        let (slot, n) = best_peer(&index, hashes, peers, chosen, exclude)?;
-        drop(index);
-        all.into_iter().find(|e| e.slot == slot).map(|e| (e, n))
-    }
-}
 
 /// Of the engines in `peers` (a slot mask of those that may send a prefix), other than `chosen`
 /// and those in `exclude`, the one whose device pool or host tier holds the longest leading run
@@ -180,21 +157,6 @@ fn within_limit(
     best
 }
 
-impl Registry {
-    /// [`fetch_run`] on this gateway's index.
-    pub fn fetch_run(
-        &self,
-        hashes: &[kvgate_protocol::BlockHash],
-        candidates: &[Candidate],
-        peer: usize,
-        held_own: (u32, u32),
-        now_ms: u64,
-    ) -> u32 {
-        let index = self.index.read().unwrap_or_else(|p| p.into_inner());
-        fetch_run(&index, hashes, candidates, peer, held_own, now_ms)
-    }
-}
-
 /// How many leading blocks of `hashes` an engine should fetch from `peer`, which holds `held` of
 /// them in its device pool or host tier and may be computing more, when it holds `own` itself:
 /// the held ones, and those past them that `peer` will have within the fetch's time limit
@@ -219,32 +181,94 @@ pub fn fetch_run(
     within_limit(index, hashes, (peer, wait), (held, run), own, now_ms).map_or(held, |(n, _)| n)
 }
 
+/// The engine that `chosen` (among `candidates`) should fetch the prompt's prefix from, as the
+/// gateway names it: the one holding the longest run of `hashes` ([`best_peer`], of those in
+/// `peers` and not in `exclude`) where fetching its blocks past `chosen`'s own costs less than
+/// computing them ([`Candidate::fetch_pays`]), asked for as far as it will have them in time
+/// ([`fetch_run`]); else one still computing them ([`computing_peer`]).
+pub fn peer_for(
+    index: &PrefixIndex,
+    hashes: &[kvgate_protocol::BlockHash],
+    candidates: &[Candidate],
+    chosen: &Candidate,
+    (peers, exclude): (u64, u64),
+    block_size: u32,
+    now_ms: u64,
+) -> Option<Peer> {
+    let own = chosen.matched_blocks;
+    best_peer(index, hashes, peers, chosen.slot, exclude)
+        .filter(|&(_, held)| chosen.fetch_pays(held.saturating_sub(own), block_size))
+        .map(|(slot, held)| Peer {
+            slot,
+            blocks: fetch_run(index, hashes, candidates, slot, (held, own), now_ms),
+            computing: false,
+        })
+        .or_else(|| {
+            computing_peer(index, hashes, candidates, chosen, now_ms).map(|(slot, blocks)| Peer {
+                slot,
+                blocks,
+                computing: true,
+            })
+        })
+}
+
+/// A peer named for a request: its slot, how many of the prompt's leading blocks to fetch from
+/// it, and whether it holds none of those yet (it is computing them for a request routed there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
+    pub slot: usize,
+    pub blocks: u32,
+    pub computing: bool,
+}
+
 impl Registry {
-    /// The engine [`computing_peer`] names for `req`, routed to `chosen` among `candidates`, and
-    /// its run of the prompt's blocks.
-    pub fn computing_peer(
+    /// [`peer_for`] on this gateway's index, of the engines that can send a prefix now (up,
+    /// circuit closed; a draining one counts, its cache is still good): the engine, and how
+    /// many of the prompt's leading blocks to fetch from it.
+    pub fn peer_for(
         &self,
-        req: &RouteRequest<'_>,
+        hashes: &[kvgate_protocol::BlockHash],
         candidates: &[Candidate],
-        chosen: usize,
+        chosen: &Candidate,
+        exclude: u64,
+        block_size: u32,
         now_ms: u64,
     ) -> Option<(Arc<Engine>, u32)> {
-        let chosen = candidates.iter().find(|c| c.slot == chosen)?;
+        let all = self.all();
+        let peers = all
+            .iter()
+            .filter(|e| e.can_be_peer(now_ms))
+            .fold(0u64, |m, e| m | (1 << e.slot));
         let index = self.index.read().unwrap_or_else(|p| p.into_inner());
-        let (slot, n) = computing_peer(&index, req.hashes, candidates, chosen, now_ms)?;
+        let to = (peers, exclude);
+        let peer = peer_for(&index, hashes, candidates, chosen, to, block_size, now_ms)?;
         drop(index);
-        self.all()
-            .into_iter()
-            .find(|e| e.slot == slot)
-            .map(|e| (e, n))
+        all.into_iter()
+            .find(|e| e.slot == peer.slot)
+            .map(|e| (e, peer.blocks))
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::now_ms;
     use super::super::tests::{candidates, config, fleet};
+    use super::super::{now_ms, RouteRequest};
     use super::*;
+    use kvgate_protocol::BlockHash;
+
+    /// The peer `registry` names, and the blocks to fetch from it, for a request of `hashes`
+    /// routed to engine `chosen` among `c`.
+    fn named(
+        registry: &Registry,
+        hashes: &[BlockHash],
+        c: &[Candidate],
+        chosen: usize,
+        now: u64,
+    ) -> Option<(String, u32)> {
+        let chosen = c.iter().find(|x| x.slot == chosen)?;
+        let block = config().block_size;
+        (registry.peer_for(hashes, c, chosen, 0, block, now)).map(|(e, n)| (e.name.clone(), n))
+    }
 
     #[test]
     fn an_engine_computing_the_prefix_is_judged_by_when_its_request_will_have_computed_it() {
@@ -256,11 +280,7 @@ mod tests {
         c[1].wait_secs = 3.0;
         // One clock for the whole test: the routes' times are relative to it.
         let now = now_ms();
-        let named = |c: &[Candidate]| {
-            registry
-                .computing_peer(&req, c, engines[0].slot, now)
-                .map(|(e, n)| (e.name.clone(), n))
-        };
+        let named = |c: &[Candidate]| named(&registry, &hashes, c, engines[0].slot, now);
         let e1 = |n: u32| Some(("e1".to_owned(), n));
         // A request computing the prompt there, routed with no more than 0.2 s ahead of it:
         // the prompt is that far away, whatever a new request would wait.
@@ -315,27 +335,28 @@ mod tests {
         let mut c = candidates(&registry, &hashes, "t");
         c[1].wait_secs = 3.0;
         let now = now_ms();
-        let run = |c: &[Candidate]| registry.fetch_run(&hashes, c, engines[1].slot, (8, 0), now);
-        assert_eq!(run(&c), 8);
+        // Engine 0 is chosen; engine 1 is named, holding 8 blocks and maybe computing more.
+        let run = |c: &[Candidate]| named(&registry, &hashes, c, engines[0].slot, now);
+        let e1 = |n: u32| Some(("e1".to_owned(), n));
+        assert_eq!(run(&c), e1(8));
         // A request there computes all 16, due in 0.3 s: the fetch takes them all.
         let soon = registry.route(engines[1].slot, &hashes, now + 300);
-        assert_eq!(run(&c), 16);
+        assert_eq!(run(&c), e1(16));
         drop(soon);
         // Due in 3 s: the held 8 alone (the fetch would wait out its limit for the rest).
         let late = registry.route(engines[1].slot, &hashes, now + 3_000);
-        assert_eq!(run(&c), 8);
+        assert_eq!(run(&c), e1(8));
         // Not a candidate (draining, say): judged by its requests' due times alone.
-        let not_candidate =
-            |c: &[Candidate]| registry.fetch_run(&hashes, &c[..1], engines[1].slot, (8, 0), now);
-        assert_eq!(not_candidate(&c), 8);
+        let not_candidate = |c: &[Candidate]| run(&c[..1]);
+        assert_eq!(not_candidate(&c), e1(8));
         drop(late);
         let soon = registry.route(engines[1].slot, &hashes, now + 300);
-        assert_eq!(not_candidate(&c), 16);
+        assert_eq!(not_candidate(&c), e1(16));
         drop(soon);
         // Of a run partly due in time, the part that is.
         let part = registry.route(engines[1].slot, &hashes[..12], now + 100);
         let rest = registry.route(engines[1].slot, &hashes, now + 3_000);
-        assert_eq!(run(&c), 12);
+        assert_eq!(run(&c), e1(12));
         drop((part, rest));
     }
 
@@ -345,9 +366,7 @@ mod tests {
         let req = RouteRequest::new(&hashes, 270, "t", &config());
         let mut c = registry.candidates(&req, 0, now_ms()).0;
         let name = |c: &[Candidate], chosen: usize| {
-            registry
-                .computing_peer(&req, c, engines[chosen].slot, now_ms())
-                .map(|(e, _)| e.name.clone())
+            named(&registry, &hashes, c, engines[chosen].slot, now_ms()).map(|(e, _)| e)
         };
         // Nothing routed anywhere: no one to ask.
         assert_eq!(name(&c, 0), None);
@@ -356,9 +375,9 @@ mod tests {
         c[1].wait_secs = 0.1;
         assert_eq!(name(&c, 0).as_deref(), Some("e1"));
         // Its events confirmed nothing yet: the held index knows nothing of it.
-        assert!(registry
-            .best_peer(&hashes, engines[0].slot, 0, now_ms())
-            .is_none());
+        let index = registry.index.read().unwrap();
+        assert!(best_peer(&index, &hashes, u64::MAX, engines[0].slot, 0).is_none());
+        drop(index);
         // Behind 1.2 s of queue, far more than computing the 16 blocks at an idle engine 0 with
         // free blocks (0.256 s), it is still waited for: within the 1.4 s engine 0 waits for a
         // fetch of 16 blocks.
