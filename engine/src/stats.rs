@@ -108,12 +108,46 @@ pub struct TierStats {
     /// Blocks that peer fetches brought, and their total time.
     pub peer_blocks: u64,
     pub peer_seconds: f64,
+    /// Seconds per block of a peer fetch, as the load report gives it
+    /// ([`LoadReport::peer_load_secs_per_block`]): the median of `peer_rates`.
+    pub peer_secs_per_block: f64,
+    /// The recent fetches that brought blocks, each one's seconds per block.
+    #[serde(skip)]
+    pub peer_rates: Recent,
     /// Transfers served to peers, the blocks they carried, and those refused (busy).
     pub exports: u64,
     pub exported_blocks: u64,
     pub exports_refused: u64,
     /// Asks of those transfers that waited for a step here to compute the blocks asked for.
     pub export_waits: u64,
+}
+
+/// The last [`Recent::KEEP`] measurements of a time, for their median: a few odd ones (a
+/// fetch that waited for a peer still computing) do not move it.
+#[derive(Debug, Clone, Default)]
+pub struct Recent(std::collections::VecDeque<f64>);
+
+impl Recent {
+    pub const KEEP: usize = 32;
+
+    /// Adds a measurement (one that is negative or not finite is dropped), forgetting the
+    /// oldest past [`Recent::KEEP`].
+    pub fn push(&mut self, secs: f64) {
+        if !(secs.is_finite() && secs >= 0.0) {
+            return;
+        }
+        if self.0.len() == Self::KEEP {
+            self.0.pop_front();
+        }
+        self.0.push_back(secs);
+    }
+
+    /// The median (of an even count, the higher of the middle two); 0 with none.
+    pub fn median(&self) -> f64 {
+        let mut v: Vec<f64> = self.0.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    }
 }
 
 /// Peer fetches by how they ended.
@@ -205,5 +239,30 @@ impl Stats {
     pub fn update<R>(&self, f: impl FnOnce(&mut EngineStats) -> R) -> R {
         let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
         f(&mut guard)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Recent;
+
+    #[test]
+    fn a_recent_median_forgets_the_oldest_and_drops_nonsense() {
+        let mut r = Recent::default();
+        assert_eq!(r.median(), 0.0);
+        for secs in [0.02, 5.0, 0.01, f64::NAN, -1.0, f64::INFINITY] {
+            r.push(secs);
+        }
+        // One fetch that waited long does not move it.
+        assert_eq!(r.median(), 0.02);
+        for _ in 0..Recent::KEEP {
+            r.push(0.03);
+        }
+        assert_eq!(r.median(), 0.03);
+        // Half the window and one more, faster: the old ones are forgotten.
+        for _ in 0..Recent::KEEP / 2 + 1 {
+            r.push(0.001);
+        }
+        assert_eq!(r.median(), 0.001);
     }
 }

@@ -56,6 +56,11 @@ pub struct LoadReport {
     /// (0 until measured).
     pub host_load_secs_per_block: f64,
     pub disk_load_secs_per_block: f64,
+    /// Measured seconds a fetch from a peer takes here, per block and one block's more for the
+    /// ask (as [`peer_fetch_secs`] counts them): the median of the recent fetches that brought
+    /// blocks, from the request's ask to its last block. It counts what such a request waits
+    /// for: a transfer slot, and a peer still computing what it sends. 0 until measured.
+    pub peer_load_secs_per_block: f64,
     /// Identifies what the engine computes on (a hash of its machine and its CPU set or
     /// device): engines reporting the same value share their compute, so work moved from one
     /// to the other gains no capacity. Empty: unknown (taken as its own).
@@ -73,13 +78,20 @@ pub const PRIOR_DISK_LOAD_SECS_PER_BLOCK: f64 = 0.002;
 /// Seconds to fetch one block from a peer engine (framed, MACed, over the network) and stage it.
 pub const PRIOR_PEER_LOAD_SECS_PER_BLOCK: f64 = 0.002;
 
-/// Seconds a transfer of `blocks` blocks from a peer takes: each block's
-/// [`PRIOR_PEER_LOAD_SECS_PER_BLOCK`], and one block's more for the ask and its answer.
-pub fn peer_fetch_secs(blocks: usize) -> f64 {
+/// Seconds a transfer of `blocks` blocks from a peer takes at `secs_per_block` (an engine's
+/// measured [`LoadReport::peer_load_secs_per_block`]; 0: not measured, the
+/// [`PRIOR_PEER_LOAD_SECS_PER_BLOCK`]): each block's, and one block's more for the ask and its
+/// answer.
+pub fn peer_fetch_secs(blocks: usize, secs_per_block: f64) -> f64 {
     if blocks == 0 {
         return 0.0;
     }
-    blocks.saturating_add(1) as f64 * PRIOR_PEER_LOAD_SECS_PER_BLOCK
+    let rate = if secs_per_block > 0.0 && secs_per_block.is_finite() {
+        secs_per_block
+    } else {
+        PRIOR_PEER_LOAD_SECS_PER_BLOCK
+    };
+    blocks.saturating_add(1) as f64 * rate
 }
 
 /// How long an engine waits for a peer fetch of `blocks` blocks before it computes what has not
@@ -109,6 +121,7 @@ impl LoadReport {
         self.age_secs = sane(self.age_secs, 24.0 * 3600.0);
         self.host_load_secs_per_block = sane(self.host_load_secs_per_block, 1.0);
         self.disk_load_secs_per_block = sane(self.disk_load_secs_per_block, 1.0);
+        self.peer_load_secs_per_block = sane(self.peer_load_secs_per_block, 1.0);
         if self.compute.len() > MAX_COMPUTE_LEN {
             let mut end = MAX_COMPUTE_LEN;
             while !self.compute.is_char_boundary(end) {
@@ -520,6 +533,7 @@ mod tests {
             secs_per_token: f64::INFINITY,
             step_secs: 1e300,
             next_finish_secs: f64::NAN,
+            peer_load_secs_per_block: f64::NEG_INFINITY,
             ..LoadReport::default()
         }
         .sanitized();
@@ -527,6 +541,14 @@ mod tests {
             (r.secs_per_token, r.step_secs, r.next_finish_secs),
             (0.0, 60.0, 0.0)
         );
+        // A peer rate that is nonsense reads as unmeasured: the prior.
+        assert_eq!(r.peer_load_secs_per_block, 0.0);
+        assert_eq!(
+            peer_fetch_secs(4, r.peer_load_secs_per_block),
+            5.0 * PRIOR_PEER_LOAD_SECS_PER_BLOCK
+        );
+        assert_eq!(peer_fetch_secs(4, 0.02), 5.0 * 0.02);
+        assert_eq!(peer_fetch_secs(0, 0.02), 0.0);
         // A compute id is cut to its bound, on a character boundary.
         let long = LoadReport {
             compute: "é".repeat(100),

@@ -895,6 +895,7 @@ impl<'a> Simulation<'a> {
             age_secs: 0.0,
             host_load_secs_per_block: cfg.host_load_secs_per_block,
             disk_load_secs_per_block: 0.0,
+            peer_load_secs_per_block: cfg.peer_load_secs_per_block,
             compute: match cfg.cores {
                 Some(_) => "shared".to_owned(),
                 None => format!("engine-{}", e.slot),
@@ -1059,6 +1060,7 @@ impl<'a> Simulation<'a> {
                     tenant: &self.tenant_names[r.tenant as usize],
                     block_size: self.trace.config.block_size,
                     prior_secs_per_token: 1.0 / self.trace.config.prefill_tps,
+                    prior_peer_secs_per_block: 0.0,
                 };
                 // The decision's time: from the engines' state as the gateway holds it (the
                 // simulator's building of their reports is not counted).

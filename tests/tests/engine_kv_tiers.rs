@@ -229,6 +229,24 @@ fn a_prefix_comes_from_the_peer_that_holds_it_and_a_bad_peer_costs_only_a_recomp
     assert!(cached >= 176, "only {cached} tokens came from the peer");
     assert!(taker.metric("kvgate_kv_tier_hit_tokens_total{tier=\"peer\"}") >= 176.0);
     assert_eq!(fetches(&taker, "complete"), 1.0);
+    // Its load report gives the fetch's measured time per block (one more for the ask), which
+    // the gateway prices its fetches with.
+    let status = taker.admin("GET", "/admin/status", "").json();
+    let rate = status["load"]["peer_load_secs_per_block"]
+        .as_f64()
+        .unwrap_or(0.0);
+    let (secs, blocks) = (
+        status["tiers"]["peer_seconds"].as_f64().unwrap_or(0.0),
+        status["tiers"]["peer_blocks"].as_f64().unwrap_or(0.0),
+    );
+    assert!(blocks >= 11.0, "{status}");
+    assert!(rate > 0.0 && rate < 1.0, "{status}");
+    assert!((rate - secs / (blocks + 1.0)).abs() < 1e-9, "{status}");
+    let holder_status = holder.admin("GET", "/admin/status", "").json();
+    assert_eq!(
+        holder_status["load"]["peer_load_secs_per_block"], 0.0,
+        "an engine that never fetched measured a rate: {holder_status}"
+    );
 
     // Another tenant's request, with the same text and the same hint, gets nothing: the peer
     // holds no block of its scope.
@@ -268,6 +286,9 @@ fn a_prefix_comes_from_the_peer_that_holds_it_and_a_bad_peer_costs_only_a_recomp
             fresh.metric("kvgate_kv_tier_hit_tokens_total{tier=\"peer\"}"),
             0.0
         );
+        // A fetch that brought nothing measures no rate.
+        let status = fresh.admin("GET", "/admin/status", "").json();
+        assert_eq!(status["load"]["peer_load_secs_per_block"], 0.0, "{status}");
         // Named again at once for another prompt, the peer is not asked: it failed moments ago.
         let other = long_prompt("lakes");
         gated_ask(&fresh, "acme", &other, &[("x-kvgate-prefix-peer", url)]);

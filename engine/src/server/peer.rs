@@ -376,7 +376,9 @@ pub async fn fetch(state: &ServerState, hint: &Hint, scope: &str, prompt: &[u32]
         // may have computed some of it meanwhile); but only while the transfer would still end
         // before computing them here would, and within its time limit.
         let missing = (want.len() * state.block_size).min(prompt.len());
-        let transfer = Duration::from_secs_f64(kvgate_protocol::load::peer_fetch_secs(want.len()));
+        let rate = state.metrics.update(|m| m.tiers.peer_secs_per_block);
+        let transfer = kvgate_protocol::load::peer_fetch_secs(want.len(), rate);
+        let transfer = Duration::try_from_secs_f64(transfer).unwrap_or(Duration::ZERO);
         let wait = left
             .min(prefill_time(state, missing))
             .saturating_sub(transfer);
@@ -453,9 +455,16 @@ fn record_fetch(
     let secs = started.elapsed().as_secs_f64();
     tracing::debug!(peer, scope, result, blocks, secs, "peer fetch ended");
     state.metrics.update(|m| {
-        m.tiers.peer_fetches.push_result(result);
-        m.tiers.peer_blocks += blocks as u64;
-        m.tiers.peer_seconds += secs;
+        let t = &mut m.tiers;
+        t.peer_fetches.push_result(result);
+        t.peer_blocks += blocks as u64;
+        t.peer_seconds += secs;
+        // What a request that fetches waits, per block as `peer_fetch_secs` counts them: the
+        // gateway prices fetches here with it.
+        if blocks > 0 {
+            t.peer_rates.push(secs / (blocks + 1) as f64);
+            t.peer_secs_per_block = t.peer_rates.median();
+        }
     });
 }
 

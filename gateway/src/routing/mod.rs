@@ -134,6 +134,10 @@ pub struct Candidate {
     pub wait_secs: f64,
     /// Its measured seconds per prefill token (engines that share compute: the median of theirs).
     pub secs_per_token: f64,
+    /// Its measured seconds per block of a fetch from a peer
+    /// ([`kvgate_protocol::LoadReport::peer_load_secs_per_block`]; one that has not fetched yet:
+    /// the median of those that have; 0: none has, the prior).
+    pub peer_secs_per_block: f64,
     /// Its running batch's limit (0: unknown).
     pub max_seqs: u32,
     /// KV blocks free and holding nothing (0 when unknown, and for engines that share their
@@ -162,8 +166,8 @@ impl Candidate {
 
     /// Whether this engine should fetch `gain` more leading blocks of a prompt from a peer that
     /// holds them rather than compute them: always for [`PEER_MIN_GAIN_BLOCKS`] or more (the
-    /// transfer spares its compute); a shorter gain where the transfer ([`peer_fetch_secs`])
-    /// takes less time than their prefill here, counted for the request and for every request
+    /// transfer spares its compute); a shorter gain where the transfer
+    /// ([`Candidate::fetch_secs`]) takes less time than their prefill here, counted for the request and for every request
     /// whose steps it lengthens, as [`Router`]'s cost counts it. On a CPU one block's prefill
     /// takes longer than a transfer of several, so a gain of one block is fetched; on a fast
     /// device it is computed.
@@ -173,7 +177,12 @@ impl Candidate {
         }
         let compute =
             f64::from(gain) * f64::from(block_size) * self.secs_per_token * (1.0 + self.beside());
-        gain > 0 && peer_fetch_secs(gain) < compute
+        gain > 0 && self.fetch_secs(gain) < compute
+    }
+
+    /// Seconds a fetch of `blocks` blocks from a peer takes here, at its measured rate.
+    pub fn fetch_secs(&self, blocks: u32) -> f64 {
+        kvgate_protocol::load::peer_fetch_secs(blocks as usize, self.peer_secs_per_block)
     }
 
     /// When a request routed here now (`now_ms`) is expected to have computed its prompt: once
@@ -233,12 +242,6 @@ pub const TRAFFIC_WINDOW: f64 = 64.0;
 /// it: the request may wait up to the fetch limit for it, which a block or two's prefill is
 /// not worth.
 pub const PEER_MIN_GAIN_BLOCKS: u32 = 4;
-
-/// Seconds a transfer of `blocks` blocks from a peer takes
-/// ([`kvgate_protocol::load::peer_fetch_secs`]).
-pub fn peer_fetch_secs(blocks: u32) -> f64 {
-    kvgate_protocol::load::peer_fetch_secs(blocks as usize)
-}
 
 /// Most blocks a peer fetch is counted for (an engine with the staging host tier fetches at
 /// most half of its 256 blocks; the rest it computes).
@@ -337,7 +340,9 @@ impl Router {
     /// cache is other prefixes', to be computed again. New blocks in free space cost nothing.
     ///
     /// Blocks a peer can send ([`Candidate::peer_blocks`]) are not computed: they cost their
-    /// transfer, which the request waits for, and the cache they take where they evict.
+    /// transfer at the engine's measured rate, and the cache they take where they evict. The
+    /// engine queues the request when its fetch has ended, and the queue ahead of it drains
+    /// meanwhile: its prefill starts after the longer of the two, not after both.
     ///
     /// Then the answer: each of its decode steps runs beside the requests in flight there (or
     /// on the engines sharing its compute), each of which lengthens it by a token's time, and it
@@ -353,11 +358,11 @@ impl Router {
         let computed = (uncached - fetched_tokens) as f64;
         let beside = c.beside();
         let cache = uncached as f64 * c.secs_per_token * c.evicting_share(uncached, block);
-        let fetch = peer_fetch_secs(fetched_tokens.div_ceil(block.max(1)) as u32);
+        let fetch = c.fetch_secs(fetched_tokens.div_ceil(block.max(1)) as u32);
         let compute = computed * c.secs_per_token * (1.0 + beside);
         let answer = f64::from(answer_tokens.min(MAX_ANSWER_TOKENS));
         let decode = 2.0 * answer * beside * c.secs_per_token;
-        c.wait_secs + fetch + compute + cache + decode
+        c.wait_secs.max(fetch) + compute + cache + decode
     }
 
     /// Counts a request routed to engine `id` in the recent traffic of `candidates`' engines.
@@ -648,6 +653,7 @@ mod tests {
                 compute_inflight: inflight[i],
                 wait_secs: wait[i],
                 secs_per_token: SPT,
+                peer_secs_per_block: 0.0,
                 max_seqs: 0,
                 free_blocks: 0,
                 computing_blocks: 0,
@@ -786,6 +792,43 @@ mod tests {
             (c.slot, c.reason, c.matched_blocks),
             (0, Reason::LeastLoaded, 0)
         );
+        // The transfer is priced at the fetching engine's measured rate: where its fetches
+        // have taken 40 ms a block (0.68 s for these 16), waiting is cheaper (a router of its
+        // own: this one has given engine 1 its share of the recent requests).
+        let mut slow = fetch.clone();
+        slow[0].peer_secs_per_block = 0.04;
+        slow[2].peer_secs_per_block = 0.04;
+        assert_eq!(
+            router(Policy::Prefix)
+                .choose(1, 270, 0, &fetch)
+                .unwrap()
+                .slot,
+            0
+        );
+        assert_eq!(
+            router(Policy::Prefix)
+                .choose(1, 270, 0, &slow)
+                .unwrap()
+                .slot,
+            1
+        );
+        slow[2].peer_secs_per_block = 0.0;
+        assert_eq!(
+            router(Policy::Prefix)
+                .choose(1, 270, 0, &slow)
+                .unwrap()
+                .slot,
+            2
+        );
+        // The fetch runs while the queue ahead drains: engine 1 waits 0.6 s, engine 0 (free
+        // blocks to spare) 0.4 s and its 0.34 s fetch, at once. In sequence they would take
+        // 0.74 s, and the request would stay.
+        let mut overlap = cands(&[0, 16], &[0.4, 0.6], &[0, 0]);
+        overlap[0].peer_blocks = 16;
+        overlap[0].peer_secs_per_block = 0.02;
+        overlap[0].free_blocks = 1000;
+        let c = router(Policy::Prefix).choose(1, 270, 0, &overlap).unwrap();
+        assert_eq!((c.slot, c.reason), (0, Reason::LeastLoaded));
         // A second engine holding part of it is preferred to none.
         let c = r
             .choose(1, 270, 0, &cands(&[8, 16, 0], &[0.0, 0.8, 0.0], &[0, 1, 0]))

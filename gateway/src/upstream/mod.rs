@@ -390,6 +390,11 @@ impl EngineView<'_> {
             wait_secs: report.wait_now(self.age_secs.unwrap_or(0.0), ask, req.prior_secs_per_token)
                 + report.tier_load_secs(matched.host, matched.disk),
             secs_per_token: report.secs_per_token(req.prior_secs_per_token),
+            peer_secs_per_block: if report.peer_load_secs_per_block > 0.0 {
+                report.peer_load_secs_per_block
+            } else {
+                req.prior_peer_secs_per_block
+            },
             max_seqs: report.max_seqs,
             free_blocks: report.free_blocks,
             computing_blocks: 0,
@@ -434,17 +439,22 @@ pub fn candidates(
     let matched = index.longest_tier_matches(req.hashes, mask | peers);
     // An engine that has not measured its speed yet is taken to be as fast as the median of
     // those that have (the configured prior only when none has).
-    let mut measured: Vec<f64> = open
-        .iter()
-        .filter(|e| e.age_secs.is_some() && e.report.secs_per_token > 0.0)
-        .map(|e| e.report.secs_per_token)
-        .collect();
-    measured.sort_by(f64::total_cmp);
+    // Likewise for the time a fetch from a peer takes.
+    let median = |rate: fn(&LoadReport) -> f64, prior: f64| {
+        let mut measured: Vec<f64> = open
+            .iter()
+            .filter(|e| e.age_secs.is_some() && rate(e.report) > 0.0)
+            .map(|e| rate(e.report))
+            .collect();
+        measured.sort_by(f64::total_cmp);
+        measured.get(measured.len() / 2).copied().unwrap_or(prior)
+    };
     let req = RouteRequest {
-        prior_secs_per_token: measured
-            .get(measured.len() / 2)
-            .copied()
-            .unwrap_or(req.prior_secs_per_token),
+        prior_secs_per_token: median(|r| r.secs_per_token, req.prior_secs_per_token),
+        prior_peer_secs_per_block: median(
+            |r| r.peer_load_secs_per_block,
+            req.prior_peer_secs_per_block,
+        ),
         ..*req
     };
     let mut candidates: Vec<Candidate> = open
@@ -540,6 +550,9 @@ pub struct RouteRequest<'a> {
     pub block_size: u32,
     /// Seconds per prefill token of an engine that has not reported its own.
     pub prior_secs_per_token: f64,
+    /// Seconds per block of a peer fetch by an engine that has not measured its own (0: the
+    /// protocol's prior).
+    pub prior_peer_secs_per_block: f64,
 }
 
 impl<'a> RouteRequest<'a> {
@@ -555,6 +568,7 @@ impl<'a> RouteRequest<'a> {
             tenant,
             block_size: router.block_size,
             prior_secs_per_token: router.prior_secs_per_token,
+            prior_peer_secs_per_block: 0.0,
         }
     }
 }
@@ -705,6 +719,31 @@ mod tests {
         }));
         let (slot, c) = choose();
         assert_eq!((slot, c[1].peer_blocks), (engines[1].slot, 16), "{c:?}");
+    }
+
+    #[test]
+    fn fetches_are_priced_at_each_engines_measured_rate() {
+        let (registry, engines, hashes) = fleet(4, &[0]);
+        let rates = || {
+            candidates(&registry, &hashes, "t")
+                .iter()
+                .map(|c| c.peer_secs_per_block)
+                .collect::<Vec<_>>()
+        };
+        // Nothing measured: the protocol's prior (0).
+        assert_eq!(rates(), [0.0; 4]);
+        // Each engine that has fetched is priced at its own rate; one that has not, at the
+        // median of theirs; a rate that is nonsense reads as unmeasured.
+        let measured = [0.03, 0.0, 0.01, f64::NAN];
+        for (e, &rate) in engines.iter().zip(&measured) {
+            e.set_report(Some(LoadReport {
+                peer_load_secs_per_block: rate,
+                ..LoadReport::default()
+            }));
+        }
+        assert_eq!(rates(), [0.03, 0.03, 0.01, 0.03]);
+        let c = candidates(&registry, &hashes, "t");
+        assert_eq!(c[2].fetch_secs(16), 17.0 * 0.01);
     }
 
     #[test]
