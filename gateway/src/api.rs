@@ -697,7 +697,7 @@ async fn forward(
                 let hashes = &prepared.hashes.hashes;
                 (gw.registry).peer_for(hashes, &candidates, c, exclude, block, now)
             })
-            .and_then(|(peer, n)| Some((HeaderValue::from_str(&peer.url).ok()?, peer, n)));
+            .and_then(|(engine, p)| Some((HeaderValue::from_str(&engine.url).ok()?, engine, p)));
         // The prompt counts as being computed there until the request ends, unless the engine
         // is to fetch it (until its fetch ends, it computes none of it).
         let ready_ms = chosen.map_or(u64::MAX, |c| c.ready_ms(prefill, now));
@@ -717,20 +717,28 @@ async fn forward(
         };
         // Every decision and what it was made from (no prompt text), for tracing a route.
         {
-            let peer = peer.as_ref().map(|(_, p, _)| p.name.as_str());
+            let peer = (peer.as_ref()).map(|(_, e, p)| (e.name.as_str(), p.blocks, p.computing));
             let reason = choice.reason;
             tracing::debug!(tenant = req.tenant, ?reason, engine = %engine.name, ?peer, ?candidates, "routed");
         }
         let mut extra = Vec::new();
         // With the hint, how many of the prompt's leading blocks to fetch: those the peer
         // holds, and those it will have computed within the fetch's time limit.
-        if let Some((url, peer, run)) = peer {
+        // A peer that holds none of them yet (it computes them) is said to be one: its fetch
+        // waits for its steps, and says nothing of how long a transfer takes.
+        if let Some((url, peer, p)) = peer {
             gw.metrics.peer_hint(&peer.name);
             extra.push((HeaderName::from_static("x-kvgate-prefix-peer"), url));
             extra.push((
                 HeaderName::from_static("x-kvgate-prefix-peer-blocks"),
-                HeaderValue::from(run),
+                HeaderValue::from(p.blocks),
             ));
+            if p.computing {
+                extra.push((
+                    HeaderName::from_static("x-kvgate-prefix-peer-computing"),
+                    HeaderValue::from_static("1"),
+                ));
+            }
         }
         let mut span = to.trace.map(|t| upstream_span(t, &engine, attempt));
         if let Some(v) = span

@@ -247,6 +247,21 @@ fn a_prefix_comes_from_the_peer_that_holds_it_and_a_bad_peer_costs_only_a_recomp
         holder_status["load"]["peer_load_secs_per_block"], 0.0,
         "an engine that never fetched measured a rate: {holder_status}"
     );
+    // A fetch from a peer the gateway says is still computing the blocks waits for its steps:
+    // it is not counted in the rate.
+    let waiter = gated_engine("blocks = 64\nhost_cache_blocks = 64");
+    let computing = [
+        ("x-kvgate-prefix-peer", peer.as_str()),
+        ("x-kvgate-prefix-peer-computing", "1"),
+    ];
+    let (got, cached) = gated_ask(&waiter, "acme", &prompt, &computing);
+    assert_eq!((got.as_str(), cached >= 176), (want.as_str(), true));
+    let status = waiter.admin("GET", "/admin/status", "").json();
+    assert_eq!(status["load"]["peer_load_secs_per_block"], 0.0, "{status}");
+    assert!(
+        status["tiers"]["peer_blocks"].as_u64().unwrap_or(0) >= 11,
+        "{status}"
+    );
 
     // Another tenant's request, with the same text and the same hint, gets nothing: the peer
     // holds no block of its scope.

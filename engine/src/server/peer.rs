@@ -38,6 +38,11 @@
 //!   peer as a transfer already running here (a tenant's requests sent away together) waits for
 //!   that transfer, then asks for whatever is still missing, instead of asking for the blocks a
 //!   second time or, with every transfer slot taken, computing them.
+//! - **The measured rate.** Each fetch that brought blocks from a holder (not one the gateway
+//!   said is still computing them, [`PEER_COMPUTING_HEADER`]) is timed from the request's ask to
+//!   its last block, slot waits included: what such a request waits. The median of the recent
+//!   ones, per block and one block's more for the ask, goes in the load report
+//!   (`peer_load_secs_per_block`), and the gateway prices this engine's fetches with it.
 
 use super::http::{self, error_response, RespBody};
 use super::ServerState;
@@ -61,6 +66,11 @@ pub const PEER_HEADER: &str = "x-kvgate-prefix-peer";
 /// peer to hold and those it expects the peer to have computed within the fetch's time limit.
 /// No block past them is asked for.
 pub const PEER_BLOCKS_HEADER: &str = "x-kvgate-prefix-peer-blocks";
+/// With the hint, `1`: the peer holds none of those blocks yet but is computing them, so the
+/// fetch waits for its steps. Such a fetch's time is not counted in the rate this engine
+/// reports ([`kvgate_protocol::LoadReport::peer_load_secs_per_block`]), which prices transfers
+/// from engines that hold the blocks.
+pub const PEER_COMPUTING_HEADER: &str = "x-kvgate-prefix-peer-computing";
 /// Most blocks one transfer carries.
 pub const MAX_FETCH_BLOCKS: usize = 1024;
 /// Transfers served at once; more are refused (503), and their requester computes instead.
@@ -342,13 +352,13 @@ pub async fn fetch(state: &ServerState, hint: &Hint, scope: &str, prompt: &[u32]
         // left.
         let (Some(&first), false) = (want.first(), left.is_zero()) else {
             if joined {
-                record_fetch(state, (peer, scope), "joined", 0, started);
+                record_fetch(state, (hint, scope), "joined", 0, started);
             }
             return 0;
         };
         // Checked each round: the transfer waited for may have found the peer down.
         if state.peer_backoff.blocked(peer) {
-            record_fetch(state, (peer, scope), "held_off", 0, started);
+            record_fetch(state, (hint, scope), "held_off", 0, started);
             return 0;
         }
         if let Some((permit, running)) = slot.take() {
@@ -364,7 +374,7 @@ pub async fn fetch(state: &ServerState, hint: &Hint, scope: &str, prompt: &[u32]
             }
             // The blocks a joined transfer left are being fetched by yet another request.
             Err(_) => {
-                record_fetch(state, (peer, scope), "joined", 0, started);
+                record_fetch(state, (hint, scope), "joined", 0, started);
                 return 0;
             }
         };
@@ -385,7 +395,7 @@ pub async fn fetch(state: &ServerState, hint: &Hint, scope: &str, prompt: &[u32]
         match tokio::time::timeout(wait, state.fetches.acquire()).await {
             Ok(Ok(permit)) => slot = Some((permit, running)),
             _ => {
-                record_fetch(state, (peer, scope), "refused", 0, started);
+                record_fetch(state, (hint, scope), "refused", 0, started);
                 return 0;
             }
         }
@@ -431,7 +441,7 @@ pub async fn fetch(state: &ServerState, hint: &Hint, scope: &str, prompt: &[u32]
         }
         _ => {}
     }
-    record_fetch(state, (peer, scope), result, blocks, started);
+    record_fetch(state, (hint, scope), result, blocks, started);
     blocks
 }
 
@@ -447,11 +457,12 @@ fn prefill_time(state: &ServerState, tokens: usize) -> Duration {
 /// Counts a fetch that ended with `result`, having brought `blocks`.
 fn record_fetch(
     state: &ServerState,
-    (peer, scope): (&str, &str),
+    (hint, scope): (&Hint, &str),
     result: &str,
     blocks: usize,
     started: Instant,
 ) {
+    let peer = hint.peer.as_str();
     let secs = started.elapsed().as_secs_f64();
     tracing::debug!(peer, scope, result, blocks, secs, "peer fetch ended");
     state.metrics.update(|m| {
@@ -459,9 +470,9 @@ fn record_fetch(
         t.peer_fetches.push_result(result);
         t.peer_blocks += blocks as u64;
         t.peer_seconds += secs;
-        // What a request that fetches waits, per block as `peer_fetch_secs` counts them: the
-        // gateway prices fetches here with it.
-        if blocks > 0 {
+        // What a request that fetches from a holder waits, per block as `peer_fetch_secs`
+        // counts them: the gateway prices such fetches here with it.
+        if blocks > 0 && !hint.computing {
             t.peer_rates.push(secs / (blocks + 1) as f64);
             t.peer_secs_per_block = t.peer_rates.median();
         }
@@ -591,6 +602,8 @@ fn client() -> hyper_util::client::legacy::Client<
 pub struct Hint {
     pub peer: String,
     pub blocks: Option<usize>,
+    /// The peer is computing the blocks ([`PEER_COMPUTING_HEADER`]).
+    pub computing: bool,
 }
 
 /// The request's peer hint, where it carries one that counts (the caller has the engine token).
@@ -599,5 +612,10 @@ pub fn hint<B>(state: &ServerState, req: &Request<B>) -> Option<Hint> {
     state.engine_token.as_ref()?;
     let peer = http::header_str(req, PEER_HEADER)?.to_owned();
     let blocks = http::header_str(req, PEER_BLOCKS_HEADER).and_then(|v| v.trim().parse().ok());
-    Some(Hint { peer, blocks })
+    let computing = http::header_str(req, PEER_COMPUTING_HEADER).is_some_and(|v| v.trim() == "1");
+    Some(Hint {
+        peer,
+        blocks,
+        computing,
+    })
 }

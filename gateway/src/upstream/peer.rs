@@ -223,8 +223,8 @@ pub struct Peer {
 
 impl Registry {
     /// [`peer_for`] on this gateway's index, of the engines that can send a prefix now (up,
-    /// circuit closed; a draining one counts, its cache is still good): the engine, and how
-    /// many of the prompt's leading blocks to fetch from it.
+    /// circuit closed; a draining one counts, its cache is still good): the engine, and what
+    /// to fetch from it.
     pub fn peer_for(
         &self,
         hashes: &[kvgate_protocol::BlockHash],
@@ -233,7 +233,7 @@ impl Registry {
         exclude: u64,
         block_size: u32,
         now_ms: u64,
-    ) -> Option<(Arc<Engine>, u32)> {
+    ) -> Option<(Arc<Engine>, Peer)> {
         let all = self.all();
         let peers = all
             .iter()
@@ -245,7 +245,7 @@ impl Registry {
         drop(index);
         all.into_iter()
             .find(|e| e.slot == peer.slot)
-            .map(|e| (e, peer.blocks))
+            .map(|e| (e, peer))
     }
 }
 
@@ -267,7 +267,8 @@ mod tests {
     ) -> Option<(String, u32)> {
         let chosen = c.iter().find(|x| x.slot == chosen)?;
         let block = config().block_size;
-        (registry.peer_for(hashes, c, chosen, 0, block, now)).map(|(e, n)| (e.name.clone(), n))
+        (registry.peer_for(hashes, c, chosen, 0, block, now))
+            .map(|(e, p)| (e.name.clone(), p.blocks))
     }
 
     #[test]
