@@ -8,6 +8,7 @@ use kvgate_http::metrics::Histogram;
 use kvgate_protocol::LoadReport;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -122,31 +123,50 @@ pub struct TierStats {
     pub export_waits: u64,
 }
 
-/// The last [`Recent::KEEP`] measurements of a time, for their median: a few odd ones (a
-/// fetch that waited for a peer still computing) do not move it.
+/// The last [`Recent::KEEP`] measurements of a time, of the last [`Recent::MAX_AGE`], for their
+/// median: a few odd ones (a fetch that waited for a long step) do not move it, and a price set
+/// by a burst long past does not stay (it would keep the requests that would measure it again
+/// away).
 #[derive(Debug, Clone, Default)]
-pub struct Recent(std::collections::VecDeque<f64>);
+pub struct Recent(std::collections::VecDeque<(Instant, f64)>);
 
 impl Recent {
     pub const KEEP: usize = 32;
+    pub const MAX_AGE: Duration = Duration::from_secs(60);
 
-    /// Adds a measurement (one that is negative or not finite is dropped), forgetting the
-    /// oldest past [`Recent::KEEP`].
-    pub fn push(&mut self, secs: f64) {
+    /// Adds a measurement taken at `at` (one that is negative or not finite is dropped),
+    /// forgetting the oldest past [`Recent::KEEP`].
+    pub fn push(&mut self, at: Instant, secs: f64) {
         if !(secs.is_finite() && secs >= 0.0) {
             return;
         }
         if self.0.len() == Self::KEEP {
             self.0.pop_front();
         }
-        self.0.push_back(secs);
+        self.0.push_back((at, secs));
     }
 
-    /// The median (of an even count, the higher of the middle two); 0 with none.
-    pub fn median(&self) -> f64 {
-        let mut v: Vec<f64> = self.0.iter().copied().collect();
+    /// The median, as of `now`, of the measurements under [`Recent::MAX_AGE`] old (of an even
+    /// count, the higher of the middle two); 0 with none. Older ones are forgotten.
+    pub fn median(&mut self, now: Instant) -> f64 {
+        while let Some(&(at, _)) = self.0.front() {
+            if now.saturating_duration_since(at) < Self::MAX_AGE {
+                break;
+            }
+            self.0.pop_front();
+        }
+        let mut v: Vec<f64> = self.0.iter().map(|&(_, secs)| secs).collect();
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied().unwrap_or(0.0)
+    }
+}
+
+impl TierStats {
+    /// The measured seconds per block of a peer fetch as of now ([`Recent::median`] of
+    /// `peer_rates`), kept in `peer_secs_per_block` for the status.
+    pub fn peer_rate(&mut self) -> f64 {
+        self.peer_secs_per_block = self.peer_rates.median(Instant::now());
+        self.peer_secs_per_block
     }
 }
 
@@ -245,24 +265,32 @@ impl Stats {
 #[cfg(test)]
 mod tests {
     use super::Recent;
+    use std::time::{Duration, Instant};
 
     #[test]
     fn a_recent_median_forgets_the_oldest_and_drops_nonsense() {
+        let t0 = Instant::now();
         let mut r = Recent::default();
-        assert_eq!(r.median(), 0.0);
+        assert_eq!(r.median(t0), 0.0);
         for secs in [0.02, 5.0, 0.01, f64::NAN, -1.0, f64::INFINITY] {
-            r.push(secs);
+            r.push(t0, secs);
         }
         // One fetch that waited long does not move it.
-        assert_eq!(r.median(), 0.02);
+        assert_eq!(r.median(t0), 0.02);
         for _ in 0..Recent::KEEP {
-            r.push(0.03);
+            r.push(t0, 0.03);
         }
-        assert_eq!(r.median(), 0.03);
+        assert_eq!(r.median(t0), 0.03);
         // Half the window and one more, faster: the old ones are forgotten.
+        let t1 = t0 + Duration::from_secs(1);
         for _ in 0..Recent::KEEP / 2 + 1 {
-            r.push(0.001);
+            r.push(t1, 0.001);
         }
-        assert_eq!(r.median(), 0.001);
+        assert_eq!(r.median(t1), 0.001);
+        // A minute on, those of t0 are too old; a while later, all are: unmeasured again.
+        assert_eq!(r.median(t0 + Recent::MAX_AGE), 0.001);
+        assert_eq!(r.0.len(), Recent::KEEP / 2 + 1);
+        assert_eq!(r.median(t1 + Recent::MAX_AGE), 0.0);
+        assert!(r.0.is_empty());
     }
 }

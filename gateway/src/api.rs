@@ -724,8 +724,8 @@ async fn forward(
         let mut extra = Vec::new();
         // With the hint, how many of the prompt's leading blocks to fetch: those the peer
         // holds, and those it will have computed within the fetch's time limit.
-        // A peer that holds none of them yet (it computes them) is said to be one: its fetch
-        // waits for its steps, and says nothing of how long a transfer takes.
+        // A peer still computing some of them is said to be one: the fetch waits for its steps,
+        // which says nothing of how long a transfer takes.
         if let Some((url, peer, p)) = peer {
             gw.metrics.peer_hint(&peer.name);
             extra.push((HeaderName::from_static("x-kvgate-prefix-peer"), url));

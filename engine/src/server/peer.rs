@@ -66,8 +66,8 @@ pub const PEER_HEADER: &str = "x-kvgate-prefix-peer";
 /// peer to hold and those it expects the peer to have computed within the fetch's time limit.
 /// No block past them is asked for.
 pub const PEER_BLOCKS_HEADER: &str = "x-kvgate-prefix-peer-blocks";
-/// With the hint, `1`: the peer holds none of those blocks yet but is computing them, so the
-/// fetch waits for its steps. Such a fetch's time is not counted in the rate this engine
+/// With the hint, `1`: the peer is still computing some of those blocks (for a request routed
+/// there), so the fetch waits for its steps. Such a fetch's time is not counted in the rate this engine
 /// reports ([`kvgate_protocol::LoadReport::peer_load_secs_per_block`]), which prices transfers
 /// from engines that hold the blocks.
 pub const PEER_COMPUTING_HEADER: &str = "x-kvgate-prefix-peer-computing";
@@ -386,9 +386,10 @@ pub async fn fetch(state: &ServerState, hint: &Hint, scope: &str, prompt: &[u32]
         // may have computed some of it meanwhile); but only while the transfer would still end
         // before computing them here would, and within its time limit.
         let missing = (want.len() * state.block_size).min(prompt.len());
-        let rate = state.metrics.update(|m| m.tiers.peer_secs_per_block);
-        let transfer = kvgate_protocol::load::peer_fetch_secs(want.len(), rate);
-        let transfer = Duration::try_from_secs_f64(transfer).unwrap_or(Duration::ZERO);
+        // The transfer alone, once it has its slot: the prior, not the measured rate, which
+        // counts the waits for slots too.
+        let transfer = kvgate_protocol::load::peer_fetch_secs(want.len(), 0.0);
+        let transfer = Duration::from_secs_f64(transfer);
         let wait = left
             .min(prefill_time(state, missing))
             .saturating_sub(transfer);
@@ -441,8 +442,26 @@ pub async fn fetch(state: &ServerState, hint: &Hint, scope: &str, prompt: &[u32]
         }
         _ => {}
     }
-    record_fetch(state, (hint, scope), result, blocks, started);
+    let secs = record_fetch(state, (hint, scope), result, blocks, started);
+    // A request that waited for another's transfer of its blocks first would spread that wait
+    // over the few blocks it then fetched itself: it is not timed.
+    if !joined {
+        sample_rate(state, hint, blocks, secs);
+    }
     blocks
+}
+
+/// Adds a fetch that brought `blocks` from a holder in `secs` to the measured rate (a fetch
+/// from a peer still computing the blocks waits for its steps, and is left out).
+fn sample_rate(state: &ServerState, hint: &Hint, blocks: usize, secs: f64) {
+    if blocks == 0 || hint.computing {
+        return;
+    }
+    state.metrics.update(|m| {
+        m.tiers
+            .peer_rates
+            .push(Instant::now(), secs / (blocks + 1) as f64)
+    });
 }
 
 /// How long this engine would take to compute `tokens` prompt tokens, beside its running
@@ -454,14 +473,14 @@ fn prefill_time(state: &ServerState, tokens: usize) -> Duration {
     Duration::try_from_secs_f64(secs).unwrap_or(Duration::ZERO)
 }
 
-/// Counts a fetch that ended with `result`, having brought `blocks`.
+/// Counts a fetch that ended with `result`, having brought `blocks`; returns its seconds.
 fn record_fetch(
     state: &ServerState,
     (hint, scope): (&Hint, &str),
     result: &str,
     blocks: usize,
     started: Instant,
-) {
+) -> f64 {
     let peer = hint.peer.as_str();
     let secs = started.elapsed().as_secs_f64();
     tracing::debug!(peer, scope, result, blocks, secs, "peer fetch ended");
@@ -470,13 +489,8 @@ fn record_fetch(
         t.peer_fetches.push_result(result);
         t.peer_blocks += blocks as u64;
         t.peer_seconds += secs;
-        // What a request that fetches from a holder waits, per block as `peer_fetch_secs`
-        // counts them: the gateway prices such fetches here with it.
-        if blocks > 0 && !hint.computing {
-            t.peer_rates.push(secs / (blocks + 1) as f64);
-            t.peer_secs_per_block = t.peer_rates.median();
-        }
     });
+    secs
 }
 
 /// How far a transfer got, readable after its time limit cut it short.

@@ -132,6 +132,9 @@ pub struct Candidate {
     pub compute_inflight: u64,
     /// Expected seconds before the request's own prefill starts there.
     pub wait_secs: f64,
+    /// Of those, the time to load its matched blocks from the host tier or the disk: after its
+    /// admission, so after any fetch from a peer.
+    pub load_secs: f64,
     /// Its measured seconds per prefill token (engines that share compute: the median of theirs).
     pub secs_per_token: f64,
     /// Its measured seconds per block of a fetch from a peer
@@ -167,10 +170,10 @@ impl Candidate {
     /// Whether this engine should fetch `gain` more leading blocks of a prompt from a peer that
     /// holds them rather than compute them: always for [`PEER_MIN_GAIN_BLOCKS`] or more (the
     /// transfer spares its compute); a shorter gain where the transfer
-    /// ([`Candidate::fetch_secs`]) takes less time than their prefill here, counted for the request and for every request
-    /// whose steps it lengthens, as [`Router`]'s cost counts it. On a CPU one block's prefill
-    /// takes longer than a transfer of several, so a gain of one block is fetched; on a fast
-    /// device it is computed.
+    /// ([`Candidate::fetch_secs`]) takes less time than their prefill here, counted for the
+    /// request and for every request whose steps it lengthens (as [`Router`]'s cost counts a
+    /// prefill). On a CPU one block's prefill takes longer than a transfer of several, so a gain
+    /// of one block is fetched; on a fast device it is computed.
     pub fn fetch_pays(&self, gain: u32, block_size: u32) -> bool {
         if gain >= PEER_MIN_GAIN_BLOCKS {
             return true;
@@ -180,9 +183,12 @@ impl Candidate {
         gain > 0 && self.fetch_secs(gain) < compute
     }
 
-    /// Seconds a fetch of `blocks` blocks from a peer takes here, at its measured rate.
+    /// Seconds a fetch of `blocks` blocks from a peer takes here, at its measured rate, at most
+    /// the fetch's time limit (past it the engine computes what has not come).
     pub fn fetch_secs(&self, blocks: u32) -> f64 {
-        kvgate_protocol::load::peer_fetch_secs(blocks as usize, self.peer_secs_per_block)
+        let blocks = blocks as usize;
+        let secs = kvgate_protocol::load::peer_fetch_secs(blocks, self.peer_secs_per_block);
+        secs.min(kvgate_protocol::load::peer_fetch_limit_secs(blocks))
     }
 
     /// When a request routed here now (`now_ms`) is expected to have computed its prompt: once
@@ -342,7 +348,8 @@ impl Router {
     /// Blocks a peer can send ([`Candidate::peer_blocks`]) are not computed: they cost their
     /// transfer at the engine's measured rate, and the cache they take where they evict. The
     /// engine queues the request when its fetch has ended, and the queue ahead of it drains
-    /// meanwhile: its prefill starts after the longer of the two, not after both.
+    /// meanwhile: its prefill starts after the longer of the two, not after both (then its
+    /// matched blocks in a slower tier are loaded).
     ///
     /// Then the answer: each of its decode steps runs beside the requests in flight there (or
     /// on the engines sharing its compute), each of which lengthens it by a token's time, and it
@@ -362,7 +369,8 @@ impl Router {
         let compute = computed * c.secs_per_token * (1.0 + beside);
         let answer = f64::from(answer_tokens.min(MAX_ANSWER_TOKENS));
         let decode = 2.0 * answer * beside * c.secs_per_token;
-        c.wait_secs.max(fetch) + compute + cache + decode
+        let queue = (c.wait_secs - c.load_secs).max(0.0);
+        queue.max(fetch) + c.load_secs + compute + cache + decode
     }
 
     /// Counts a request routed to engine `id` in the recent traffic of `candidates`' engines.
@@ -652,6 +660,7 @@ mod tests {
                 inflight: inflight[i],
                 compute_inflight: inflight[i],
                 wait_secs: wait[i],
+                load_secs: 0.0,
                 secs_per_token: SPT,
                 peer_secs_per_block: 0.0,
                 max_seqs: 0,
@@ -829,6 +838,25 @@ mod tests {
         overlap[0].free_blocks = 1000;
         let c = router(Policy::Prefix).choose(1, 270, 0, &overlap).unwrap();
         assert_eq!((c.slot, c.reason), (0, Reason::LeastLoaded));
+        // A match in a slower tier is loaded after the admission, so after the fetch: engine 0's
+        // 0.3 s wait, 0.2 s of it such a load, starts the prefill after 0.54 s, not 0.34 s,
+        // and engine 1, at 0.5 s, is cheaper.
+        overlap[0].wait_secs = 0.3;
+        overlap[0].load_secs = 0.2;
+        overlap[1].wait_secs = 0.5;
+        assert_eq!(
+            router(Policy::Prefix)
+                .choose(1, 270, 0, &overlap)
+                .unwrap()
+                .slot,
+            1
+        );
+        // A fetch is priced at most at its time limit: past it the engine computes the rest.
+        let mut stuck = overlap[0];
+        stuck.peer_secs_per_block = 1.0;
+        let limit = kvgate_protocol::load::peer_fetch_limit_secs(16);
+        assert_eq!(stuck.fetch_secs(16), limit);
+        assert!(limit < 17.0);
         // A second engine holding part of it is preferred to none.
         let c = r
             .choose(1, 270, 0, &cands(&[8, 16, 0], &[0.0, 0.8, 0.0], &[0, 1, 0]))

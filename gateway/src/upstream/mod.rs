@@ -380,6 +380,7 @@ impl EngineView<'_> {
             blocks_needed: uncached.div_ceil(block) as u64,
             queued_tokens: self.queued_prefill,
         };
+        let load_secs = report.tier_load_secs(matched.host, matched.disk);
         Candidate {
             slot: self.slot,
             id: self.id,
@@ -388,7 +389,8 @@ impl EngineView<'_> {
             inflight: self.inflight,
             compute_inflight: 0,
             wait_secs: report.wait_now(self.age_secs.unwrap_or(0.0), ask, req.prior_secs_per_token)
-                + report.tier_load_secs(matched.host, matched.disk),
+                + load_secs,
+            load_secs,
             secs_per_token: report.secs_per_token(req.prior_secs_per_token),
             peer_secs_per_block: if report.peer_load_secs_per_block > 0.0 {
                 report.peer_load_secs_per_block

@@ -198,10 +198,13 @@ pub fn peer_for(
     let own = chosen.matched_blocks;
     best_peer(index, hashes, peers, chosen.slot, exclude)
         .filter(|&(_, held)| chosen.fetch_pays(held.saturating_sub(own), block_size))
-        .map(|(slot, held)| Peer {
-            slot,
-            blocks: fetch_run(index, hashes, candidates, slot, (held, own), now_ms),
-            computing: false,
+        .map(|(slot, held)| {
+            let blocks = fetch_run(index, hashes, candidates, slot, (held, own), now_ms);
+            Peer {
+                slot,
+                blocks,
+                computing: blocks > held,
+            }
         })
         .or_else(|| {
             computing_peer(index, hashes, candidates, chosen, now_ms).map(|(slot, blocks)| Peer {
@@ -213,7 +216,8 @@ pub fn peer_for(
 }
 
 /// A peer named for a request: its slot, how many of the prompt's leading blocks to fetch from
-/// it, and whether it holds none of those yet (it is computing them for a request routed there).
+/// it, and whether it is still computing some of those (for a request routed there): then the
+/// fetch waits for its steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Peer {
     pub slot: usize,
@@ -339,10 +343,19 @@ mod tests {
         // Engine 0 is chosen; engine 1 is named, holding 8 blocks and maybe computing more.
         let run = |c: &[Candidate]| named(&registry, &hashes, c, engines[0].slot, now);
         let e1 = |n: u32| Some(("e1".to_owned(), n));
+        // Whether the engine is told that the peer is still computing some of what it fetches
+        // (that fetch's time says nothing of a transfer's).
+        let computing = |c: &[Candidate]| {
+            let chosen = c.iter().find(|x| x.slot == engines[0].slot)?;
+            let block = config().block_size;
+            (registry.peer_for(&hashes, c, chosen, 0, block, now)).map(|(_, p)| p.computing)
+        };
         assert_eq!(run(&c), e1(8));
+        assert_eq!(computing(&c), Some(false));
         // A request there computes all 16, due in 0.3 s: the fetch takes them all.
         let soon = registry.route(engines[1].slot, &hashes, now + 300);
         assert_eq!(run(&c), e1(16));
+        assert_eq!(computing(&c), Some(true));
         drop(soon);
         // Due in 3 s: the held 8 alone (the fetch would wait out its limit for the rest).
         let late = registry.route(engines[1].slot, &hashes, now + 3_000);
