@@ -453,10 +453,15 @@ pub fn candidates(
     };
     let req = RouteRequest {
         prior_secs_per_token: median(|r| r.secs_per_token, req.prior_secs_per_token),
-        prior_peer_secs_per_block: median(
-            |r| r.peer_load_secs_per_block,
-            req.prior_peer_secs_per_block,
-        ),
+        // (Only where some engine has not measured its own: the median is for those.)
+        prior_peer_secs_per_block: if open.iter().all(|e| e.report.peer_load_secs_per_block > 0.0) {
+            req.prior_peer_secs_per_block
+        } else {
+            median(
+                |r| r.peer_load_secs_per_block,
+                req.prior_peer_secs_per_block,
+            )
+        },
         ..*req
     };
     let mut candidates: Vec<Candidate> = open
