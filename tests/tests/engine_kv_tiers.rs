@@ -242,6 +242,8 @@ fn a_prefix_comes_from_the_peer_that_holds_it_and_a_bad_peer_costs_only_a_recomp
     assert!(blocks >= 11.0, "{status}");
     assert!(rate > 0.0 && rate < 1.0, "{status}");
     assert!((rate - secs / (blocks + 1.0)).abs() < 1e-9, "{status}");
+    let gauge = taker.metric("kvgate_kv_peer_fetch_seconds_per_block");
+    assert!((gauge - rate).abs() < 1e-9, "{gauge} against {rate}");
     let holder_status = holder.admin("GET", "/admin/status", "").json();
     assert_eq!(
         holder_status["load"]["peer_load_secs_per_block"], 0.0,

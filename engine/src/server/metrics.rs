@@ -8,7 +8,11 @@ use std::fmt::Write as _;
 
 /// The Prometheus text exposition of `stats`.
 pub fn render(stats: &Stats) -> String {
-    stats.update(|m| render_stats(m))
+    stats.update(|m| {
+        // The peer rate as of now: its old samples are forgotten.
+        m.tiers.peer_rate();
+        render_stats(m)
+    })
 }
 
 /// Appends the peer transfers running now: `fetching` as the requester, `serving` for peers.
@@ -345,6 +349,14 @@ fn tier_metrics(o: &mut String, t: &crate::stats::TierStats) {
         "Blocks peer fetches brought (checked, and handed to the host tier).",
         t.peer_blocks,
     );
+    scalar(
+        o,
+        "kvgate_kv_peer_fetch_seconds_per_block",
+        "gauge",
+        "Median seconds per block of the last minute's fetches from holders, one block more for \
+         the ask (the rate the gateway prices fetches here at; 0: none).",
+        t.peer_secs_per_block,
+    );
     by_label(
         o,
         "kvgate_kv_peer_exports_total",
@@ -468,6 +480,7 @@ mod tests {
             "kvgate_engine_info{model=\"smollm2\",block_size=\"16\",device=\"cpu\"} 1",
             "kvgate_kv_tier_blocks{tier=\"disk\"} 0",
             "kvgate_kv_tier_hit_tokens_total{tier=\"host\"} 0",
+            "kvgate_kv_peer_fetch_seconds_per_block 0",
             "kvgate_kv_tier_disk_up 1",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
