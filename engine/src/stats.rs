@@ -155,15 +155,14 @@ impl Recent {
             }
             self.0.pop_front();
         }
-        let mut v: Vec<f64> = self.0.iter().map(|&(_, secs)| secs).collect();
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
+        let recent = self.0.iter().map(|&(_, secs)| secs).collect();
+        kvgate_protocol::load::upper_median(recent).unwrap_or(0.0)
     }
 }
 
 impl TierStats {
     /// The measured seconds per block of a peer fetch as of now ([`Recent::median`] of
-    /// `peer_rates`), kept in `peer_secs_per_block` for the status.
+    /// `peer_rates`), kept in `peer_secs_per_block` for the status and the metrics.
     pub fn peer_rate(&mut self) -> f64 {
         self.peer_secs_per_block = self.peer_rates.median(Instant::now());
         self.peer_secs_per_block

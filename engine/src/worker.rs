@@ -1122,8 +1122,8 @@ impl<B: Backend> Worker<B> {
             age_secs: 0.0,
             host_load_secs_per_block: self.tier_rates.0,
             disk_load_secs_per_block: self.tier_rates.1,
-            // Measured by the server, which runs the fetches (it fills this in).
-            peer_load_secs_per_block: 0.0,
+            // Measured by the server's fetches, which record them in the statistics.
+            peer_load_secs_per_block: self.metrics.update(|m| m.tiers.peer_rate()),
             compute: self.compute.clone(),
         }
     }

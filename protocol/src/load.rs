@@ -102,6 +102,13 @@ pub fn peer_fetch_limit_secs(blocks: usize) -> f64 {
     (1.0 + 0.025 * blocks as f64).min(10.0)
 }
 
+/// The median of `values` (of an even count, the higher of the middle two: the slower of two
+/// rates); `None` with none.
+pub fn upper_median(mut values: Vec<f64>) -> Option<f64> {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied()
+}
+
 /// A number of seconds from a report, made safe to compute with: finite, in `[0, max]`.
 fn sane(secs: f64, max: f64) -> f64 {
     if secs.is_finite() {
@@ -525,6 +532,13 @@ mod tests {
         assert_eq!(r.queued_ahead(Some("new"), 20), 200 + 20 + 20 + 20);
         // The flooding tenant itself waits for all of its own.
         assert_eq!(r.queued_ahead(Some("flood"), 0), 200 + 32_000 + 100 + 30);
+    }
+
+    #[test]
+    fn the_median_of_an_even_count_is_the_higher_of_the_middle_two() {
+        assert_eq!(upper_median(vec![]), None);
+        assert_eq!(upper_median(vec![0.03, 0.01]), Some(0.03));
+        assert_eq!(upper_median(vec![5.0, 0.02, 0.01]), Some(0.02));
     }
 
     #[test]

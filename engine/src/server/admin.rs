@@ -152,15 +152,12 @@ async fn status(state: &ServerState) -> Result<Response<RespBody>, ApiError> {
             body["blocks"] = serde_json::json!({"used": s.blocks_used, "cached": s.blocks_cached, "free": s.blocks_free});
             body["queues"] = serde_json::json!({"running": s.running, "waiting": s.waiting, "swapped": s.swapped});
             body["running_by_tenant"] = serde_json::json!(s.running_by_tenant);
-            let mut load = s.load;
-            load.peer_load_secs_per_block = state.metrics.update(|m| m.tiers.peer_rate());
-            body["load"] = serde_json::json!(load);
+            body["load"] = serde_json::json!(s.load);
         }
         Err(_) => {
             let m = state.metrics.update(|m| {
                 let mut load = m.load.clone();
                 load.age_secs = m.load_at.map_or(0.0, |t| t.elapsed().as_secs_f64());
-                load.peer_load_secs_per_block = m.tiers.peer_rate();
                 serde_json::json!({
                     "blocks": {"used": m.blocks_used, "cached": m.blocks_cached, "free": m.blocks_free},
                     "queues": {"running": m.running, "waiting": m.waiting, "swapped": m.swapped},
@@ -175,10 +172,7 @@ async fn status(state: &ServerState) -> Result<Response<RespBody>, ApiError> {
         }
     }
     // The prefix cache's slower tiers, as of the last step.
-    body["tiers"] = serde_json::json!(state.metrics.update(|m| {
-        m.tiers.peer_rate();
-        m.tiers.clone()
-    }));
+    body["tiers"] = serde_json::json!(state.metrics.update(|m| m.tiers.clone()));
     Ok(ok_json(&body))
 }
 

@@ -352,13 +352,13 @@ pub async fn fetch(state: &ServerState, hint: &Hint, scope: &str, prompt: &[u32]
         // left.
         let (Some(&first), false) = (want.first(), left.is_zero()) else {
             if joined {
-                record_fetch(state, (hint, scope), "joined", 0, started);
+                record_fetch(state, (hint, scope, joined), "joined", 0, started);
             }
             return 0;
         };
         // Checked each round: the transfer waited for may have found the peer down.
         if state.peer_backoff.blocked(peer) {
-            record_fetch(state, (hint, scope), "held_off", 0, started);
+            record_fetch(state, (hint, scope, joined), "held_off", 0, started);
             return 0;
         }
         if let Some((permit, running)) = slot.take() {
@@ -374,7 +374,7 @@ pub async fn fetch(state: &ServerState, hint: &Hint, scope: &str, prompt: &[u32]
             }
             // The blocks a joined transfer left are being fetched by yet another request.
             Err(_) => {
-                record_fetch(state, (hint, scope), "joined", 0, started);
+                record_fetch(state, (hint, scope, joined), "joined", 0, started);
                 return 0;
             }
         };
@@ -396,7 +396,7 @@ pub async fn fetch(state: &ServerState, hint: &Hint, scope: &str, prompt: &[u32]
         match tokio::time::timeout(wait, state.fetches.acquire()).await {
             Ok(Ok(permit)) => slot = Some((permit, running)),
             _ => {
-                record_fetch(state, (hint, scope), "refused", 0, started);
+                record_fetch(state, (hint, scope, joined), "refused", 0, started);
                 return 0;
             }
         }
@@ -442,26 +442,8 @@ pub async fn fetch(state: &ServerState, hint: &Hint, scope: &str, prompt: &[u32]
         }
         _ => {}
     }
-    let secs = record_fetch(state, (hint, scope), result, blocks, started);
-    // A request that waited for another's transfer of its blocks first would spread that wait
-    // over the few blocks it then fetched itself: it is not timed.
-    if !joined {
-        sample_rate(state, hint, blocks, secs);
-    }
+    record_fetch(state, (hint, scope, joined), result, blocks, started);
     blocks
-}
-
-/// Adds a fetch that brought `blocks` from a holder in `secs` to the measured rate (a fetch
-/// from a peer still computing the blocks waits for its steps, and is left out).
-fn sample_rate(state: &ServerState, hint: &Hint, blocks: usize, secs: f64) {
-    if blocks == 0 || hint.computing {
-        return;
-    }
-    state.metrics.update(|m| {
-        m.tiers
-            .peer_rates
-            .push(Instant::now(), secs / (blocks + 1) as f64)
-    });
 }
 
 /// How long this engine would take to compute `tokens` prompt tokens, beside its running
@@ -473,24 +455,31 @@ fn prefill_time(state: &ServerState, tokens: usize) -> Duration {
     Duration::try_from_secs_f64(secs).unwrap_or(Duration::ZERO)
 }
 
-/// Counts a fetch that ended with `result`, having brought `blocks`; returns its seconds.
+/// Counts a fetch that ended with `result`, having brought `blocks`, and adds it to the
+/// measured rate: one that brought blocks from a holder, not having `joined` another request's
+/// transfer first (it would spread that wait over the few blocks it then fetched itself). A
+/// fetch from a peer still computing the blocks waits for its steps, and is left out too.
 fn record_fetch(
     state: &ServerState,
-    (hint, scope): (&Hint, &str),
+    (hint, scope, joined): (&Hint, &str, bool),
     result: &str,
     blocks: usize,
     started: Instant,
-) -> f64 {
+) {
     let peer = hint.peer.as_str();
     let secs = started.elapsed().as_secs_f64();
     tracing::debug!(peer, scope, result, blocks, secs, "peer fetch ended");
+    let timed = blocks > 0 && !joined && !hint.computing;
     state.metrics.update(|m| {
         let t = &mut m.tiers;
         t.peer_fetches.push_result(result);
         t.peer_blocks += blocks as u64;
         t.peer_seconds += secs;
+        if timed {
+            t.peer_rates
+                .push(Instant::now(), secs / (blocks + 1) as f64);
+        }
     });
-    secs
 }
 
 /// How far a transfer got, readable after its time limit cut it short.

@@ -13,6 +13,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
+use kvgate_protocol::load::upper_median;
 use kvgate_protocol::{Ask, LoadReport};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -443,13 +444,12 @@ pub fn candidates(
     // those that have (the configured prior only when none has).
     // Likewise for the time a fetch from a peer takes.
     let median = |rate: fn(&LoadReport) -> f64, prior: f64| {
-        let mut measured: Vec<f64> = open
+        let measured = open
             .iter()
             .filter(|e| e.age_secs.is_some() && rate(e.report) > 0.0)
             .map(|e| rate(e.report))
             .collect();
-        measured.sort_by(f64::total_cmp);
-        measured.get(measured.len() / 2).copied().unwrap_or(prior)
+        upper_median(measured).unwrap_or(prior)
     };
     let req = RouteRequest {
         prior_secs_per_token: median(|r| r.secs_per_token, req.prior_secs_per_token),
@@ -505,17 +505,17 @@ pub fn candidates(
         c.compute_inflight = group()
             .fold(0u64, |sum, o| sum.saturating_add(o.inflight))
             .max(c.inflight);
-        let mut rates: Vec<f64> = group()
+        let rates: Vec<f64> = group()
             .map(|o| o.report.secs_per_token(req.prior_secs_per_token))
             .collect();
-        rates.sort_by(f64::total_cmp);
-        if let Some(&rate) = rates.get(rates.len() / 2) {
+        let sharing = rates.len() > 1;
+        if let Some(rate) = upper_median(rates) {
             c.secs_per_token = rate;
         }
         // Free blocks are no reason to recompute a prefix beside its holder on the same cores:
         // the prefill takes the compute the holder's queue waits for. Its blocks are counted
         // as evicting, wherever they land.
-        if rates.len() > 1 {
+        if sharing {
             c.free_blocks = 0;
         }
     }
