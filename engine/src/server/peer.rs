@@ -25,8 +25,11 @@
 //!   between the layers of a step in progress (every block but those the step writes was
 //!   computed before it), as many at a time as fit in [`EXPORT_CHUNK_BYTES`] (a prompt's whole
 //!   prefix, for small models): a transfer waits a layer's time, not a step's. A blocking thread
-//!   frames and MACs them. At most [`MAX_EXPORTS`] transfers run at once, each for at most
-//!   30 s.
+//!   MACs them, and each frame goes out as its head, the payload as read, and the MAC, never
+//!   copied into a frame of its own; the requester reads each frame into one buffer of its exact
+//!   size and checks it there. (A fresh thread's first megabytes of new memory cost it tens of
+//!   milliseconds of page zeroing on a busy engine, more than the rest of a transfer.) At most
+//!   [`MAX_EXPORTS`] transfers run at once, each for at most 30 s.
 //! - **A holder still computing the prefix.** A read that reaches a block this engine is
 //!   computing (the step in progress writes it, or a prompt in prefill here reaches it in a
 //!   later step, or a prompt waiting in its queue will) waits for the step that computes it,
@@ -210,7 +213,8 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
             "This engine is serving as many peer transfers as it allows.",
         ));
     };
-    let (tx, body) = http::stream_channel(2);
+    // Two frames ahead, each sent as three parts.
+    let (tx, body) = http::stream_channel(6);
     let ExportBody {
         scope,
         tokens,
@@ -224,6 +228,9 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
         let _permit = permit;
         let serve = async {
             let mut sent = 0;
+            // Where a transfer's time goes, for the debug log: waiting for the engine thread's
+            // answer, framing, and sending.
+            let (mut answering, mut framing, mut sending) = (0.0, 0.0, 0.0);
             while sent < wanted {
                 let count = chunk.min(wanted - sent);
                 let ask_for = ExportAsk {
@@ -233,6 +240,7 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
                     count,
                 };
                 let (reply, frames) = oneshot::channel();
+                let ask = Instant::now();
                 if state.export_asks.send((ask_for, reply)).is_err()
                     || state.commands.send(Command::PeerAsks).is_err()
                 {
@@ -247,22 +255,30 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
                 let Ok(got) = got else {
                     return sent;
                 };
+                answering += ask.elapsed().as_secs_f64();
                 let (frames, pending) = (got.frames, got.pending);
                 let n = frames.len();
-                // Framing and the MAC are work for a blocking thread, not the engine's nor the
-                // async runtime's.
+                // The MAC is work for a blocking thread, not the engine's nor the async
+                // runtime's. Each frame goes out as its head, the payload as the engine thread
+                // read it, and the MAC: no frame-sized buffer is allocated or copied into.
                 let codec = codec.clone();
-                let Ok(encoded) = tokio::task::spawn_blocking(move || {
+                let frame_start = Instant::now();
+                let Ok(parts) = tokio::task::spawn_blocking(move || {
                     frames
-                        .iter()
-                        .map(|f| {
-                            disk::encode_frame(
+                        .into_iter()
+                        .flat_map(|f| {
+                            let (head, mac) = disk::frame_parts(
                                 codec.fingerprint,
                                 &codec.key,
                                 f.hash,
                                 &f.scope,
                                 &f.payload,
-                            )
+                            );
+                            [
+                                Bytes::from(head),
+                                Bytes::from(f.payload),
+                                Bytes::copy_from_slice(&mac),
+                            ]
                         })
                         .collect::<Vec<_>>()
                 })
@@ -270,18 +286,22 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
                 else {
                     return sent;
                 };
-                for f in encoded {
-                    if tx.send(Bytes::from(f)).await.is_err() {
+                framing += frame_start.elapsed().as_secs_f64();
+                let send_start = Instant::now();
+                for part in parts {
+                    if tx.send(part).await.is_err() {
                         return sent;
                     }
                 }
+                sending += send_start.elapsed().as_secs_f64();
                 sent += n;
                 // Short of its count, the read reached the end of what this engine holds,
                 // unless it stopped at a block being computed: the next ask waits for it.
                 if n < count && !pending {
-                    return sent;
+                    break;
                 }
             }
+            tracing::debug!(sent, answering, framing, sending, "peer export timed");
             sent
         };
         let sent = tokio::time::timeout(EXPORT_DEADLINE, serve)
@@ -411,7 +431,15 @@ pub async fn fetch(state: &ServerState, hint: &Hint, scope: &str, prompt: &[u32]
         from,
         blocks: Some(want.len()),
     };
-    tracing::debug!(peer, scope, from, blocks = want.len(), "peer fetch asks");
+    let waited = started.elapsed().as_secs_f64();
+    tracing::debug!(
+        peer,
+        scope,
+        from,
+        blocks = want.len(),
+        waited,
+        "peer fetch asks"
+    );
     let got = Arc::new(Progress::default());
     let ended = tokio::time::timeout(
         limit,
@@ -515,10 +543,12 @@ async fn transfer(
         Ok(r) => r,
         Err(e) => return Ended::Failed(e.to_string()),
     };
+    let asked = Instant::now();
     let resp = match client().request(req).await {
         Ok(r) => r,
         Err(e) => return Ended::Failed(e.to_string()),
     };
+    let head = asked.elapsed().as_secs_f64();
     match resp.status() {
         StatusCode::OK => got.answered.store(true, Ordering::SeqCst),
         StatusCode::SERVICE_UNAVAILABLE => return Ended::Busy,
@@ -526,8 +556,11 @@ async fn transfer(
     }
     let frame_len = disk::frame_bytes(codec.block_bytes, ask_body.scope.len());
     let mut body = resp.into_body();
-    let mut buf: Vec<u8> = Vec::with_capacity(frame_len);
+    // The frame being read: allocated once, at its exact size, when its first byte comes, then
+    // checked and cut down to its payload in place.
+    let mut frame: Vec<u8> = Vec::new();
     let mut done = 0;
+    let (mut first, mut checking) = (None, 0.0);
     while done < want.len() {
         let Some(next) = body.frame().await else {
             break;
@@ -536,41 +569,56 @@ async fn transfer(
             Ok(d) => d,
             Err(e) => return Ended::Failed(e.to_string()),
         };
-        let Ok(data) = data.into_data() else {
+        let Ok(mut data) = data.into_data() else {
             continue;
         };
-        buf.extend_from_slice(&data);
-        while buf.len() >= frame_len && done < want.len() {
-            let rest = buf.split_off(frame_len);
-            let frame = std::mem::replace(&mut buf, rest);
+        while !data.is_empty() && done < want.len() {
+            if frame.capacity() == 0 {
+                frame.reserve_exact(frame_len);
+            }
+            let take = (frame_len - frame.len()).min(data.len());
+            frame.extend_from_slice(&data.split_to(take));
+            if frame.len() < frame_len {
+                break;
+            }
+            let whole = std::mem::take(&mut frame);
             let (hash, c) = (want[done], codec.clone());
+            first.get_or_insert_with(|| asked.elapsed().as_secs_f64());
+            let check = Instant::now();
             let checked = tokio::task::spawn_blocking(move || {
-                disk::decode_frame(&frame, c.fingerprint, &c.key, hash, c.block_bytes)
+                disk::decode_frame(whole, c.fingerprint, &c.key, hash, c.block_bytes)
             })
             .await;
+            checking += check.elapsed().as_secs_f64();
             let payload = match checked {
                 Ok(Ok(p)) => p,
                 Ok(Err(why)) => return Ended::Failed(format!("block {hash}: {why}")),
                 Err(e) => return Ended::Failed(e.to_string()),
             };
-            let frame = Frame {
+            let block = Frame {
                 hash,
                 scope: ask_body.scope.clone(),
                 payload,
             };
-            if !state.send_import(frame) {
+            if !state.send_import(block) {
                 return Ended::Failed("the engine stopped".into());
             }
             done += 1;
             got.blocks.store(done, Ordering::SeqCst);
         }
-        if done < want.len() && buf.len() > frame_len {
-            return Ended::Failed("a frame longer than a block".into());
-        }
     }
+    let last = asked.elapsed().as_secs_f64();
+    tracing::debug!(
+        blocks = done,
+        head,
+        first,
+        last,
+        checking,
+        "peer transfer timed"
+    );
     if done == want.len() {
         Ended::Complete
-    } else if buf.is_empty() {
+    } else if frame.is_empty() {
         Ended::Partial
     } else {
         // A peer ends a short transfer after a whole frame: these bytes are not one.

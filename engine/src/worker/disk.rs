@@ -18,7 +18,7 @@
 //!   start-up refuses a directory of another deployment's blocks, a non-empty directory that is
 //!   not a disk tier, and a directory another engine holds (a lock).
 //! - Only files named like the tier's own (`<32 hex>.kvb`, `<32 hex>.<pid>.tmp`) are ever deleted.
-//! - Peers send blocks to each other in the same frames ([`encode_frame`], [`decode_frame`]).
+//! - Peers send blocks to each other in the same frames ([`frame_parts`], [`decode_frame`]).
 //! - One I/O thread does every job in the order sent, so a read after a write or a delete of the
 //!   same block sees it. Writes queued past a byte bound are refused (the block is not kept on
 //!   disk), so a slow disk never holds the engine thread up nor grows memory without bound.
@@ -83,30 +83,33 @@ pub fn frame_bytes(block_bytes: usize, scope_len: usize) -> usize {
     HEAD + scope_len + 8 + block_bytes + 32
 }
 
-/// A block as a file or peer frame.
-pub fn encode_frame(
+/// A block's frame (file or peer transfer) but for its payload: the head (magic to payload
+/// length) and the MAC of head and payload. The three are written or sent as they are, without
+/// copying the payload into a frame of its own.
+pub fn frame_parts(
     fingerprint: [u8; 16],
     key: &[u8; 32],
     hash: BlockHash,
     scope: &str,
     payload: &[u8],
-) -> Vec<u8> {
-    let mut buf = Vec::with_capacity(frame_bytes(payload.len(), scope.len()));
-    buf.extend_from_slice(MAGIC);
-    buf.extend_from_slice(&fingerprint);
-    buf.extend_from_slice(&hash.0.to_le_bytes());
-    buf.extend_from_slice(&(scope.len() as u32).to_le_bytes());
-    buf.extend_from_slice(scope.as_bytes());
-    buf.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    buf.extend_from_slice(payload);
-    let mac = blake3::keyed_hash(key, &buf);
-    buf.extend_from_slice(mac.as_bytes());
-    buf
+) -> (Vec<u8>, [u8; 32]) {
+    let mut head = Vec::with_capacity(HEAD + scope.len() + 8);
+    head.extend_from_slice(MAGIC);
+    head.extend_from_slice(&fingerprint);
+    head.extend_from_slice(&hash.0.to_le_bytes());
+    head.extend_from_slice(&(scope.len() as u32).to_le_bytes());
+    head.extend_from_slice(scope.as_bytes());
+    head.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    let mut mac = blake3::Hasher::new_keyed(key);
+    mac.update(&head);
+    mac.update(payload);
+    (head, *mac.finalize().as_bytes())
 }
 
-/// The payload of a frame of block `hash`, after checking every field and the MAC.
+/// The payload of a frame of block `hash`, after checking every field and the MAC. The payload
+/// is the frame's own buffer, cut to size: no copy of it is made.
 pub fn decode_frame(
-    frame: &[u8],
+    mut frame: Vec<u8>,
     fingerprint: [u8; 16],
     key: &[u8; 32],
     hash: BlockHash,
@@ -129,7 +132,9 @@ pub fn decode_frame(
     if scope_len > MAX_SCOPE || frame.len() != frame_bytes(block_bytes, scope_len) {
         return Err("wrong length".into());
     }
-    Ok(body[HEAD + scope_len + 8..].to_vec())
+    frame.truncate(frame.len() - 32);
+    frame.drain(..HEAD + scope_len + 8);
+    Ok(frame)
 }
 
 /// A block file's location and layout, and the lock that keeps the directory this engine's.
@@ -247,7 +252,7 @@ impl DiskFiles {
                     ));
                 }
                 let json = serde_json::to_string_pretty(&manifest).map_err(|e| e.to_string())?;
-                write_atomic(&path, json.as_bytes())
+                write_atomic(&path, &[json.as_bytes()])
                     .map_err(|e| format!("{}: {e}", path.display()))?;
             }
             Err(e) => return Err(format!("{}: {e}", path.display())),
@@ -342,8 +347,8 @@ impl DiskFiles {
         if payload.len() != self.block_bytes || scope.len() > MAX_SCOPE {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "bad block"));
         }
-        let buf = encode_frame(self.fingerprint, &self.key, hash, scope, payload);
-        write_atomic(&self.path(hash), &buf)
+        let (head, mac) = frame_parts(self.fingerprint, &self.key, hash, scope, payload);
+        write_atomic(&self.path(hash), &[&head, payload, &mac])
     }
 
     /// Reads block `hash`'s payload, checking every field and the MAC.
@@ -355,7 +360,7 @@ impl DiskFiles {
             return Err("not a block file".into());
         }
         let buf = fs::read(&path).map_err(|e| e.to_string())?;
-        decode_frame(&buf, self.fingerprint, &self.key, hash, self.block_bytes)
+        decode_frame(buf, self.fingerprint, &self.key, hash, self.block_bytes)
     }
 
     pub fn delete(&self, hash: BlockHash) {
@@ -401,7 +406,9 @@ fn lock(path: &Path) -> io::Result<fs::File> {
     }
 }
 
-fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
+/// Writes `parts`, one after the other, as the file at `path`: under a temporary name, renamed
+/// into place once whole.
+fn write_atomic(path: &Path, parts: &[&[u8]]) -> io::Result<()> {
     let mut name = path.as_os_str().to_owned();
     name.push(format!(".{}.tmp", std::process::id()));
     let tmp = PathBuf::from(name);
@@ -409,7 +416,9 @@ fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
     options.write(true).create(true).truncate(true);
     #[cfg(unix)]
     std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-    let result = options.open(&tmp).and_then(|mut f| f.write_all(data));
+    let result = options
+        .open(&tmp)
+        .and_then(|mut f| parts.iter().try_for_each(|p| f.write_all(p)));
     match result {
         Ok(()) => fs::rename(&tmp, path),
         Err(e) => {
@@ -648,8 +657,8 @@ mod tests {
         fs::write(&path, &raw).unwrap();
         assert!(files.read(BlockHash(6)).unwrap_err().contains("MAC"));
         // A file written with another key (no seed) is refused, whatever it says.
-        let forged = encode_frame(fp, &[9u8; 32], BlockHash(6), "tenant-b", &payload);
-        fs::write(&path, &forged).unwrap();
+        let (head, mac) = frame_parts(fp, &[9u8; 32], BlockHash(6), "tenant-b", &payload);
+        fs::write(&path, [head, payload.clone(), mac.to_vec()].concat()).unwrap();
         assert!(files.read(BlockHash(6)).unwrap_err().contains("MAC"));
         // A file cut short is dropped at start-up, as is a leftover temporary file; a file of
         // another name is left alone.
