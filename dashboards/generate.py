@@ -236,12 +236,20 @@ def kv_cache():
           [q(f"sum by (result) (rate(kvgate_kv_peer_fetches_total{{{ENGINE}}}{RATE}))",
              "{{result}}"),
            q(f"sum by (role) (kvgate_kv_peer_transfers{{{ENGINE}}})", "running: {{role}}")],
-          w=24, unit="short",
+          w=16, unit="short",
           description="Prefix fetches from peer engines (the gateway names the peer that holds "
           "a request's prefix) by how they ended: complete or partial (blocks came), joined "
           "(another request's transfer brought them), refused (no transfer slot freed in time), "
           "held_off (the peer failed moments before), busy, failed, timed_out; and the "
           "transfers running now, as requester and for peers (at most 2 of each).")
+    L.add("Peer fetch time per block",
+          [q(f"max by (instance) (kvgate_kv_peer_fetch_seconds_per_block{{{ENGINE}}})",
+             "{{instance}}")],
+          w=8, unit="s",
+          description="Each engine's measured peer rate: the median seconds per block (one "
+          "block more for the ask) of its fetches from holders in the last minute, waits for a "
+          "transfer slot included. The gateway prices this engine's fetches at it; 0 when it "
+          "fetched nothing lately (the gateway then uses the other engines' median).")
     L.add("KV blocks per tenant (against quota)",
           [q(f"max by (tenant) (kvgate_tenant_kv_blocks{{{TENANT}}})", "{{tenant}}"),
            q(f"max by (tenant) (kvgate_tenant_kv_quota_blocks{{{TENANT}}})", "quota {{tenant}}"),

@@ -722,23 +722,9 @@ async fn forward(
             tracing::debug!(tenant = req.tenant, ?reason, engine = %engine.name, ?peer, ?candidates, "routed");
         }
         let mut extra = Vec::new();
-        // With the hint, how many of the prompt's leading blocks to fetch: those the peer
-        // holds, and those it will have computed within the fetch's time limit.
-        // A peer still computing some of them is said to be one: the fetch waits for its steps,
-        // which says nothing of how long a transfer takes.
         if let Some((url, peer, p)) = peer {
             gw.metrics.peer_hint(&peer.name);
-            extra.push((HeaderName::from_static("x-kvgate-prefix-peer"), url));
-            extra.push((
-                HeaderName::from_static("x-kvgate-prefix-peer-blocks"),
-                HeaderValue::from(p.blocks),
-            ));
-            if p.computing {
-                extra.push((
-                    HeaderName::from_static("x-kvgate-prefix-peer-computing"),
-                    HeaderValue::from_static("1"),
-                ));
-            }
+            extra.extend(p.headers(url));
         }
         let mut span = to.trace.map(|t| upstream_span(t, &engine, attempt));
         if let Some(v) = span

@@ -175,6 +175,27 @@ fn gated_ask(e: &Engine, scope: &str, prompt: &str, extra: &[(&str, &str)]) -> (
     gated_answer(e, scope, prompt, extra, 6)
 }
 
+/// The peer hint the gateway sends with a request routed away from `peer` (a holder, or one
+/// still `computing` the blocks), as header names and values.
+fn gateway_hint(peer: &str, computing: bool) -> Vec<(String, String)> {
+    let named = kvgate_gateway::upstream::peer::Peer {
+        slot: 0,
+        blocks: 64,
+        computing,
+    };
+    (named.headers(peer.parse().unwrap()).iter())
+        .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_owned()))
+        .collect()
+}
+
+/// `headers` as the pairs [`gated_ask`] takes.
+fn pairs(headers: &[(String, String)]) -> Vec<(&str, &str)> {
+    headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect()
+}
+
 /// [`gated_ask`], with an answer of up to `max_tokens`.
 fn gated_answer(
     e: &Engine,
@@ -218,10 +239,11 @@ fn a_prefix_comes_from_the_peer_that_holds_it_and_a_bad_peer_costs_only_a_recomp
     let (want, _) = gated_ask(&holder, "acme", &prompt, &[]);
     let peer = format!("http://{}", holder.addr);
 
-    // A fresh engine told where the prefix lives fetches it instead of computing it.
+    // A fresh engine told where the prefix lives (the hint as the gateway writes it) fetches
+    // it instead of computing it.
     let taker = gated_engine("blocks = 64\nhost_cache_blocks = 64");
-    let hint = [("x-kvgate-prefix-peer", peer.as_str())];
-    let (got, cached) = gated_ask(&taker, "acme", &prompt, &hint);
+    let holds = gateway_hint(&peer, false);
+    let (got, cached) = gated_ask(&taker, "acme", &prompt, &pairs(&holds));
     assert_eq!(
         got, want,
         "fetched blocks must hold exactly the computed KV"
@@ -252,11 +274,8 @@ fn a_prefix_comes_from_the_peer_that_holds_it_and_a_bad_peer_costs_only_a_recomp
     // A fetch from a peer the gateway says is still computing the blocks waits for its steps:
     // it is not counted in the rate.
     let waiter = gated_engine("blocks = 64\nhost_cache_blocks = 64");
-    let computing = [
-        ("x-kvgate-prefix-peer", peer.as_str()),
-        ("x-kvgate-prefix-peer-computing", "1"),
-    ];
-    let (got, cached) = gated_ask(&waiter, "acme", &prompt, &computing);
+    let computing = gateway_hint(&peer, true);
+    let (got, cached) = gated_ask(&waiter, "acme", &prompt, &pairs(&computing));
     assert_eq!((got.as_str(), cached >= 176), (want.as_str(), true));
     let status = waiter.admin("GET", "/admin/status", "").json();
     assert_eq!(status["load"]["peer_load_secs_per_block"], 0.0, "{status}");
@@ -267,6 +286,7 @@ fn a_prefix_comes_from_the_peer_that_holds_it_and_a_bad_peer_costs_only_a_recomp
 
     // Another tenant's request, with the same text and the same hint, gets nothing: the peer
     // holds no block of its scope.
+    let hint = [("x-kvgate-prefix-peer", peer.as_str())];
     let (_, cached) = gated_ask(&taker, "globex", &prompt, &hint);
     assert_eq!(
         cached, 0,

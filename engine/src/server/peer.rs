@@ -214,7 +214,7 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
         ));
     };
     // Two frames ahead, each sent as three parts.
-    let (tx, body) = http::stream_channel(6);
+    let (tx, body) = http::stream_channel(2 * 3);
     let ExportBody {
         scope,
         tokens,
@@ -266,7 +266,7 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
                 let Ok(parts) = tokio::task::spawn_blocking(move || {
                     frames
                         .into_iter()
-                        .flat_map(|f| {
+                        .map(|f| {
                             let (head, mac) = disk::frame_parts(
                                 codec.fingerprint,
                                 &codec.key,
@@ -288,9 +288,14 @@ pub async fn export(state: Arc<ServerState>, req: Request<Incoming>) -> Response
                 };
                 framing += frame_start.elapsed().as_secs_f64();
                 let send_start = Instant::now();
-                for part in parts {
-                    if tx.send(part).await.is_err() {
+                // A frame's three parts go into the channel together: a transfer cut short (its
+                // deadline) ends between two frames, never inside one.
+                for frame in parts {
+                    let Ok(slots) = tx.reserve_many(frame.len()).await else {
                         return sent;
+                    };
+                    for (slot, part) in slots.zip(frame) {
+                        slot.send(part);
                     }
                 }
                 sending += send_start.elapsed().as_secs_f64();

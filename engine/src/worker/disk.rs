@@ -107,7 +107,7 @@ pub fn frame_parts(
 }
 
 /// The payload of a frame of block `hash`, after checking every field and the MAC. The payload
-/// is the frame's own buffer, cut to size: no copy of it is made.
+/// is the frame's own buffer, moved to its front and cut to size: no new memory is taken.
 pub fn decode_frame(
     mut frame: Vec<u8>,
     fingerprint: [u8; 16],

@@ -5,6 +5,7 @@
 
 use super::{Candidate, Engine, Registry};
 use crate::routing::index::{PrefixIndex, MAX_ENGINES};
+use hyper::header::{HeaderName, HeaderValue};
 use std::sync::Arc;
 
 pub use crate::routing::PEER_MIN_GAIN_BLOCKS;
@@ -225,6 +226,30 @@ pub struct Peer {
     pub computing: bool,
 }
 
+impl Peer {
+    /// The hint the request carries to its engine: the peer's base URL, how many of the
+    /// prompt's leading blocks to fetch (those the peer holds, and those it will have computed
+    /// within the fetch's time limit), and, for a peer still computing some of them, `1` in
+    /// `x-kvgate-prefix-peer-computing`: the fetch waits for the peer's steps, which says
+    /// nothing of how long a transfer takes, so the engine leaves it out of its measured rate.
+    pub fn headers(&self, url: HeaderValue) -> Vec<(HeaderName, HeaderValue)> {
+        let mut headers = vec![
+            (HeaderName::from_static("x-kvgate-prefix-peer"), url),
+            (
+                HeaderName::from_static("x-kvgate-prefix-peer-blocks"),
+                HeaderValue::from(self.blocks),
+            ),
+        ];
+        if self.computing {
+            headers.push((
+                HeaderName::from_static("x-kvgate-prefix-peer-computing"),
+                HeaderValue::from_static("1"),
+            ));
+        }
+        headers
+    }
+}
+
 impl Registry {
     /// [`peer_for`] on this gateway's index, of the engines that can send a prefix now (up,
     /// circuit closed; a draining one counts, its cache is still good): the engine, and what
@@ -273,6 +298,34 @@ mod tests {
         let block = config().block_size;
         (registry.peer_for(hashes, c, chosen, 0, block, now))
             .map(|(e, p)| (e.name.clone(), p.blocks))
+    }
+
+    #[test]
+    fn the_hint_says_computing_only_for_a_peer_still_computing() {
+        let url = HeaderValue::from_static("http://10.0.0.7:8001");
+        let sent = |p: Peer| -> Vec<(String, String)> {
+            (p.headers(url.clone()).into_iter())
+                .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_owned()))
+                .collect()
+        };
+        let pair = |n: &str, v: &str| (n.to_owned(), v.to_owned());
+        let holder = Peer {
+            slot: 1,
+            blocks: 11,
+            computing: false,
+        };
+        let hint = vec![
+            pair("x-kvgate-prefix-peer", "http://10.0.0.7:8001"),
+            pair("x-kvgate-prefix-peer-blocks", "11"),
+        ];
+        assert_eq!(sent(holder), hint);
+        let computing = Peer {
+            computing: true,
+            ..holder
+        };
+        let mut with = hint.clone();
+        with.push(pair("x-kvgate-prefix-peer-computing", "1"));
+        assert_eq!(sent(computing), with);
     }
 
     #[test]
