@@ -183,7 +183,7 @@ fn gateway_hint(peer: &str, computing: bool) -> Vec<(String, String)> {
         blocks: 64,
         computing,
     };
-    (named.headers(peer.parse().unwrap()).iter())
+    (named.headers(peer.parse().unwrap()))
         .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_owned()))
         .collect()
 }

@@ -232,21 +232,24 @@ impl Peer {
     /// within the fetch's time limit), and, for a peer still computing some of them, `1` in
     /// `x-kvgate-prefix-peer-computing`: the fetch waits for the peer's steps, which says
     /// nothing of how long a transfer takes, so the engine leaves it out of its measured rate.
-    pub fn headers(&self, url: HeaderValue) -> Vec<(HeaderName, HeaderValue)> {
-        let mut headers = vec![
-            (HeaderName::from_static("x-kvgate-prefix-peer"), url),
+    /// (An iterator, not a list: the proxy adds them to its own.)
+    pub fn headers(&self, url: HeaderValue) -> impl Iterator<Item = (HeaderName, HeaderValue)> {
+        let computing = self.computing.then(|| {
             (
-                HeaderName::from_static("x-kvgate-prefix-peer-blocks"),
-                HeaderValue::from(self.blocks),
-            ),
-        ];
-        if self.computing {
-            headers.push((
                 HeaderName::from_static("x-kvgate-prefix-peer-computing"),
                 HeaderValue::from_static("1"),
-            ));
-        }
-        headers
+            )
+        });
+        [
+            Some((HeaderName::from_static("x-kvgate-prefix-peer"), url)),
+            Some((
+                HeaderName::from_static("x-kvgate-prefix-peer-blocks"),
+                HeaderValue::from(self.blocks),
+            )),
+            computing,
+        ]
+        .into_iter()
+        .flatten()
     }
 }
 
@@ -304,7 +307,7 @@ mod tests {
     fn the_hint_says_computing_only_for_a_peer_still_computing() {
         let url = HeaderValue::from_static("http://10.0.0.7:8001");
         let sent = |p: Peer| -> Vec<(String, String)> {
-            (p.headers(url.clone()).into_iter())
+            (p.headers(url.clone()))
                 .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_owned()))
                 .collect()
         };
