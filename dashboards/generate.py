@@ -305,6 +305,12 @@ def engine():
     L.add("Engine steps /s",
           [q(f"sum by (instance) (rate(kvgate_batch_tokens_count{{{ENGINE}}}{RATE}))")],
           unit="short")
+    L.add("Engine busy",
+          [q(f"sum by (instance) (rate(kvgate_step_seconds_sum{{{ENGINE}}}{RATE}))")],
+          unit="percentunit",
+          description="The share of time each engine spends in its steps (forward pass and "
+          "sampling). Near 100%, the engine is the bottleneck; well below it while requests "
+          "wait, the time goes elsewhere (transfers, the network, clients).")
     L.add("Engines", [target(f"kvgate_engine_info{{{ENGINE}}}", "", "A", instant=True)],
           kind="table", unit="none", options={"showHeader": True},
           description="Model, block size and device of each engine.")

@@ -61,6 +61,9 @@ pub struct EngineStats {
     pub itl: Histogram,
     pub request_duration: Histogram,
     pub batch_tokens: Histogram,
+    /// Each step's time, from its forward pass to its last sample: their sum over a while is
+    /// how busy the engine was.
+    pub step_seconds: Histogram,
     pub model: String,
     pub device: String,
     /// The load report as of the last step (for `/admin/status` while a step runs), and when
@@ -244,6 +247,7 @@ impl Stats {
                 itl: Histogram::new(LATENCY_BUCKETS),
                 request_duration: Histogram::new(DURATION_BUCKETS),
                 batch_tokens: Histogram::new(TOKEN_BUCKETS),
+                step_seconds: Histogram::new(LATENCY_BUCKETS),
                 model: model.to_owned(),
                 device: device.to_owned(),
                 load: LoadReport::default(),

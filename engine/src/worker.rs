@@ -627,8 +627,11 @@ impl<B: Backend> Worker<B> {
         if !measured.is_empty() {
             self.observe_masks(&measured, &tenants);
         }
-        self.metrics
-            .update(|m| m.batch_tokens.observe(plan.num_tokens() as f64));
+        let secs = started.elapsed().as_secs_f64();
+        self.metrics.update(|m| {
+            m.batch_tokens.observe(plan.num_tokens() as f64);
+            m.step_seconds.observe(secs);
+        });
     }
 
     /// Cancels requests whose client has not read its full buffer for the stall timeout: their

@@ -126,10 +126,22 @@ fn the_quick_start_answers_golden_and_shows_the_kv_cache() {
     ] {
         assert!(metrics.contains(name), "{name} missing from:\n{metrics}");
     }
-    let disk_slots = metrics
-        .lines()
-        .find(|l| l.starts_with("kvgate_kv_tier_capacity_blocks{tier=\"disk\"}"))
-        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+    let value = |prefix: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    };
+    // The answer took steps, and their time is counted.
+    let (steps, busy) = (
+        value("kvgate_step_seconds_count"),
+        value("kvgate_step_seconds_sum"),
+    );
+    assert!(
+        steps.is_some_and(|n| n >= 1.0) && busy.is_some_and(|s| s > 0.0),
+        "no step timed: {steps:?} steps, {busy:?} s"
+    );
+    let disk_slots = value("kvgate_kv_tier_capacity_blocks{tier=\"disk\"}");
     assert!(
         disk_slots.is_some_and(|n| n > 0.0),
         "no disk tier: {disk_slots:?}"

@@ -270,6 +270,12 @@ fn render_stats(m: &EngineStats) -> String {
             "Tokens per engine step.",
             &m.batch_tokens,
         ),
+        (
+            "kvgate_step_seconds",
+            "Time of each engine step, its forward pass and sampling (the sum's rate: the share \
+             of time the engine computes).",
+            &m.step_seconds,
+        ),
     ] {
         h.render(&mut o, name, help);
     }
@@ -477,6 +483,7 @@ mod tests {
             "kvgate_inter_token_latency_seconds_count",
             "kvgate_request_duration_seconds_sum",
             "kvgate_batch_tokens_bucket",
+            "kvgate_step_seconds_sum",
             "kvgate_engine_info{model=\"smollm2\",block_size=\"16\",device=\"cpu\"} 1",
             "kvgate_kv_tier_blocks{tier=\"disk\"} 0",
             "kvgate_kv_tier_hit_tokens_total{tier=\"host\"} 0",
