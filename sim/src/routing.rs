@@ -113,6 +113,10 @@ pub struct SimConfig {
     /// with the last segment's slope (never below the quickest point). Fewer than two points:
     /// the line of `prefill_tps` and `decode_tps`.
     pub step_curve: Vec<(usize, f64)>,
+    /// Seconds each request adds to the step that admits it, beside `step_curve`'s: what a
+    /// request costs its engine's compute that a step's tokens do not say. On a machine whose
+    /// engines share their CPUs with the gateway and the clients, their work per request.
+    pub request_secs: f64,
     pub load_factor: f64,
     /// Host-tier blocks per engine (0: no host tier).
     pub host_blocks: usize,
@@ -150,6 +154,7 @@ impl Default for SimConfig {
             decode_step_prefill_tokens: 256,
             peer_load_secs_per_block: kvgate_protocol::load::PRIOR_PEER_LOAD_SECS_PER_BLOCK,
             step_curve: Vec::new(),
+            request_secs: 0.0,
             load_factor: routing.load_factor,
             host_blocks: 0,
             host_load_secs_per_block: kvgate_protocol::load::PRIOR_HOST_LOAD_SECS_PER_BLOCK,
@@ -1232,7 +1237,7 @@ impl<'a> Simulation<'a> {
             budget -= s.chunk;
             prefill += s.chunk;
         }
-        let mut host_loads = 0;
+        let (mut host_loads, mut admitted) = (0, 0u32);
         while budget > 0 && e.running.len() < cfg.max_seqs && !e.waiting.is_empty() {
             // Fair queuing: the tenant served least so far, first come within a tenant.
             let Some(k) = (0..e.waiting.len()).min_by_key(|&k| {
@@ -1307,13 +1312,16 @@ impl<'a> Simulation<'a> {
             self.cached_blocks[i] = cached;
             self.host_blocks[i] = host;
             self.started[i] = self.now;
+            admitted += 1;
         }
         self.check(slot);
         let tokens = decodes + prefill;
         if tokens == 0 {
             return (0, 0.0);
         }
-        let work = cfg.step_secs(tokens) + host_loads as f64 * cfg.host_load_secs_per_block;
+        let work = cfg.step_secs(tokens)
+            + host_loads as f64 * cfg.host_load_secs_per_block
+            + f64::from(admitted) * cfg.request_secs;
         (tokens, work)
     }
 
@@ -1932,6 +1940,20 @@ mod tests {
             shared.requests_per_s,
             own.requests_per_s
         );
+    }
+
+    #[test]
+    fn each_request_adds_its_own_time_to_the_step_that_admits_it() {
+        // One client: a request at a time, the same steps whatever their length.
+        let mut cfg = small(Some(1 << 20));
+        cfg.clients = Some(1);
+        let policy = SimPolicy::Router(Policy::RoundRobin);
+        let plain = run(&Trace::generate(&cfg), policy, true);
+        cfg.request_secs = 0.025;
+        let loaded = run(&Trace::generate(&cfg), policy, true);
+        let added = loaded.work_ms_per_request - plain.work_ms_per_request;
+        assert!((added - 25.0).abs() < 1e-6, "{added} ms a request");
+        assert!(loaded.requests_per_s < plain.requests_per_s);
     }
 
     #[test]

@@ -50,6 +50,11 @@ pub struct SimArgs {
     /// fixed time from --decode-tps plus 1 / --prefill-tps a token).
     #[arg(long, value_parser = step_curve)]
     sim_step_ms: Option<StepCurve>,
+    /// Milliseconds each request adds to its engine's step that admits it, beyond the step
+    /// curve: what it costs the engine's compute that its tokens do not say (on a machine whose
+    /// engines share their CPUs with the gateway and the clients, their work per request).
+    #[arg(long, default_value_t = 0.0)]
+    sim_request_ms: f64,
     /// Milliseconds to fetch one block from a peer engine.
     #[arg(long, default_value_t = kvgate_protocol::load::PRIOR_PEER_LOAD_SECS_PER_BLOCK * 1e3)]
     peer_load_ms_per_block: f64,
@@ -176,6 +181,7 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
         max_seqs: args.sim_max_seqs,
         peer_load_secs_per_block: args.peer_load_ms_per_block / 1e3,
         step_curve: args.sim_step_ms.clone().map_or_else(Vec::new, |c| c.0),
+        request_secs: args.sim_request_ms / 1e3,
         host_blocks: 0,
         host_load_secs_per_block: args.host_load_ms_per_block / 1e3,
         clients: args.sim_clients,
@@ -202,6 +208,9 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
     }
     if !(args.peer_load_ms_per_block >= 0.0 && args.peer_load_ms_per_block.is_finite()) {
         bail!("--peer-load-ms-per-block must be a non-negative number");
+    }
+    if !(args.sim_request_ms >= 0.0 && args.sim_request_ms.is_finite()) {
+        bail!("--sim-request-ms must be a non-negative number");
     }
     if config.system_tokens.1 == 0 || config.system_tokens.0 + config.user_tokens.0 == 0 {
         bail!(
