@@ -308,9 +308,10 @@ def engine():
     L.add("Engine busy",
           [q(f"sum by (instance) (rate(kvgate_step_seconds_sum{{{ENGINE}}}{RATE}))")],
           unit="percentunit",
-          description="The share of time each engine spends in its steps (forward pass and "
-          "sampling). Near 100%, the engine is the bottleneck; well below it while requests "
-          "wait, the time goes elsewhere (transfers, the network, clients).")
+          description="The share of wall time each engine spends in its steps (forward pass "
+          "to last sample; on a CPU shared with other processes, their time in it counts). "
+          "Near 100%, the engine is the bottleneck; well below it while requests wait, the "
+          "time goes elsewhere (transfers, the network, clients).")
     L.add("Engines", [target(f"kvgate_engine_info{{{ENGINE}}}", "", "A", instant=True)],
           kind="table", unit="none", options={"showHeader": True},
           description="Model, block size and device of each engine.")

@@ -61,8 +61,9 @@ pub struct EngineStats {
     pub itl: Histogram,
     pub request_duration: Histogram,
     pub batch_tokens: Histogram,
-    /// Each step's time, from its forward pass to its last sample: their sum over a while is
-    /// how busy the engine was.
+    /// Each step's wall time, from its forward pass to its last sample (peer asks answered
+    /// between layers and grammar masks included): their sum over a while is how busy the
+    /// engine was.
     pub step_seconds: Histogram,
     pub model: String,
     pub device: String,

@@ -272,8 +272,9 @@ fn render_stats(m: &EngineStats) -> String {
         ),
         (
             "kvgate_step_seconds",
-            "Time of each engine step, its forward pass and sampling (the sum's rate: the share \
-             of time the engine computes).",
+            "Wall time of each engine step, from its forward pass to its last sample (the sum's \
+             rate: the share of time the engine spends in steps, on a shared CPU with what other \
+             processes take of it).",
             &m.step_seconds,
         ),
     ] {
