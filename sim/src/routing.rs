@@ -117,6 +117,12 @@ pub struct SimConfig {
     /// request costs its engine's compute that a step's tokens do not say. On a machine whose
     /// engines share their CPUs with the gateway and the clients, their work per request.
     pub request_secs: f64,
+    /// Seconds a step's token takes for each token of context it attends to beyond its own
+    /// chunk, beside `step_curve`'s (measured on new prompts, whose attention is within their
+    /// chunk): a prefill chunk's tokens over the prompt tokens already in the cache (found
+    /// cached, or computed by earlier chunks), a decoding sequence's token over its prompt and
+    /// the tokens it has generated.
+    pub context_secs: f64,
     pub load_factor: f64,
     /// Host-tier blocks per engine (0: no host tier).
     pub host_blocks: usize,
@@ -155,6 +161,7 @@ impl Default for SimConfig {
             peer_load_secs_per_block: kvgate_protocol::load::PRIOR_PEER_LOAD_SECS_PER_BLOCK,
             step_curve: Vec::new(),
             request_secs: 0.0,
+            context_secs: 0.0,
             load_factor: routing.load_factor,
             host_blocks: 0,
             host_load_secs_per_block: kvgate_protocol::load::PRIOR_HOST_LOAD_SECS_PER_BLOCK,
@@ -218,7 +225,14 @@ fn mean(range: (usize, usize)) -> f64 {
 }
 
 impl Trace {
+    /// [`Trace::try_generate`], for a configuration known to be good (panics otherwise).
     pub fn generate(config: &SimConfig) -> Trace {
+        Trace::try_generate(config).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The seeded requests of `config`: an error where its pools cannot hold two of its longest
+    /// requests (a fleet that could not serve them side by side).
+    pub fn try_generate(config: &SimConfig) -> Result<Trace, String> {
         assert!(config.engines >= 1 && config.engines <= MAX_ENGINES);
         assert!(config.tenants >= 1);
         let b = config.block_size as usize;
@@ -300,17 +314,19 @@ impl Trace {
             .map(|r| (r.prompt_tokens + r.output_tokens).div_ceil(config.block_size) as usize)
             .max()
             .unwrap_or(0);
-        assert!(
-            capacity_blocks >= 2 * max_blocks,
-            "capacity of {capacity_blocks} blocks is under twice the longest request ({max_blocks} blocks)"
-        );
-        Trace {
+        if capacity_blocks < 2 * max_blocks {
+            return Err(format!(
+                "a pool of {capacity_blocks} blocks is under twice the longest request \
+                 ({max_blocks} blocks): more requests, a higher utilization or --capacity-blocks"
+            ));
+        }
+        Ok(Trace {
             config: config.clone(),
             capacity_blocks,
             rate,
             tenants,
             requests,
-        }
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -670,21 +686,29 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 /// equals the engines' caches (slow; for tests).
 pub fn run(trace: &Trace, policy: SimPolicy, verify: bool) -> PolicyResult {
     let mut sim = Simulation::new(trace, policy, verify);
-    loop {
-        let arrival = match trace.config.clients {
-            _ if sim.next >= trace.requests.len() => None,
-            Some(clients) => (sim.outstanding < clients).then_some(sim.now),
-            None => Some(trace.requests[sim.next].at),
-        };
-        let event_at = sim.events.peek().map(|e| (e.0).0 .0);
-        match (arrival, event_at) {
-            (None, None) => break,
-            (Some(a), Some(t)) if t <= a => sim.next_event(),
-            (None, Some(_)) => sim.next_event(),
-            (Some(_), _) => sim.arrive(),
+    sim.run();
+    sim.result()
+}
+
+impl Simulation<'_> {
+    /// Every request sent and answered.
+    fn run(&mut self) {
+        let trace = self.trace;
+        loop {
+            let arrival = match trace.config.clients {
+                _ if self.next >= trace.requests.len() => None,
+                Some(clients) => (self.outstanding < clients).then_some(self.now),
+                None => Some(trace.requests[self.next].at),
+            };
+            let event_at = self.events.peek().map(|e| (e.0).0 .0);
+            match (arrival, event_at) {
+                (None, None) => break,
+                (Some(a), Some(t)) if t <= a => self.next_event(),
+                (None, Some(_)) => self.next_event(),
+                (Some(_), _) => self.arrive(),
+            }
         }
     }
-    sim.result()
 }
 
 /// The state of one policy's run: the engines, the index the router reads, the pending events
@@ -1319,9 +1343,19 @@ impl<'a> Simulation<'a> {
         if tokens == 0 {
             return (0, 0.0);
         }
+        // Attention past each token's own chunk: over the cache's context.
+        let context: usize = self.engines[slot]
+            .running
+            .iter()
+            .map(|s| match prompt(s) {
+                p if s.prefilled == p => p + s.generated as usize,
+                _ => s.chunk * s.prefilled,
+            })
+            .sum();
         let work = cfg.step_secs(tokens)
             + host_loads as f64 * cfg.host_load_secs_per_block
-            + f64::from(admitted) * cfg.request_secs;
+            + f64::from(admitted) * cfg.request_secs
+            + context as f64 * cfg.context_secs;
         (tokens, work)
     }
 
@@ -1953,6 +1987,40 @@ mod tests {
         let loaded = run(&Trace::generate(&cfg), policy, true);
         let added = loaded.work_ms_per_request - plain.work_ms_per_request;
         assert!((added - 25.0).abs() < 1e-6, "{added} ms a request");
+        assert!(loaded.requests_per_s < plain.requests_per_s);
+    }
+
+    #[test]
+    fn each_token_adds_the_time_of_the_context_it_attends_to() {
+        // One client, every prompt in one step: a request's prefill attends over its cached
+        // prompt tokens, then each decode step's token over the prompt and what it generated.
+        let mut cfg = small(Some(1 << 20));
+        cfg.clients = Some(1);
+        let policy = SimPolicy::Router(Policy::RoundRobin);
+        let plain = run(&Trace::generate(&cfg), policy, true);
+        cfg.context_secs = 1e-6;
+        let trace = Trace::generate(&cfg);
+        let mut sim = Simulation::new(&trace, policy, true);
+        sim.run();
+        let b = sim.block_size();
+        let expected: usize = (trace.requests.iter().enumerate())
+            .map(|(i, r)| {
+                let (p, out) = (r.prompt_tokens as usize, r.output_tokens as usize);
+                let prefilled = (sim.cached_blocks[i] * b).min(p - 1);
+                (p - prefilled) * prefilled + (1..out).map(|g| p + g).sum::<usize>()
+            })
+            .sum();
+        assert!(
+            sim.cached_blocks.iter().any(|&c| c > 0),
+            "some prompts cached"
+        );
+        let loaded = sim.result();
+        let added = loaded.work_ms_per_request - plain.work_ms_per_request;
+        let want = expected as f64 * 1e-3 / trace.requests.len() as f64;
+        assert!(
+            (added - want).abs() < 1e-6,
+            "{added} ms a request, {want} expected"
+        );
         assert!(loaded.requests_per_s < plain.requests_per_s);
     }
 

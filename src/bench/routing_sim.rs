@@ -51,10 +51,14 @@ pub struct SimArgs {
     #[arg(long, value_parser = step_curve)]
     sim_step_ms: Option<StepCurve>,
     /// Milliseconds each request adds to its engine's step that admits it, beyond the step
-    /// curve: what it costs the engine's compute that its tokens do not say (on a machine whose
-    /// engines share their CPUs with the gateway and the clients, their work per request).
+    /// curve and the context's time: what it costs the engine's compute that neither says.
     #[arg(long, default_value_t = 0.0)]
     sim_request_ms: f64,
+    /// Microseconds a step's token takes for each token of context it attends to beyond its
+    /// own chunk, beside the step curve (measured on new prompts): a prefill chunk's tokens
+    /// over the prompt already cached, a decoding token over its prompt and answer so far.
+    #[arg(long, default_value_t = 0.0)]
+    sim_context_us: f64,
     /// Milliseconds to fetch one block from a peer engine.
     #[arg(long, default_value_t = kvgate_protocol::load::PRIOR_PEER_LOAD_SECS_PER_BLOCK * 1e3)]
     peer_load_ms_per_block: f64,
@@ -182,6 +186,7 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
         peer_load_secs_per_block: args.peer_load_ms_per_block / 1e3,
         step_curve: args.sim_step_ms.clone().map_or_else(Vec::new, |c| c.0),
         request_secs: args.sim_request_ms / 1e3,
+        context_secs: args.sim_context_us / 1e6,
         host_blocks: 0,
         host_load_secs_per_block: args.host_load_ms_per_block / 1e3,
         clients: args.sim_clients,
@@ -209,8 +214,12 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
     if !(args.peer_load_ms_per_block >= 0.0 && args.peer_load_ms_per_block.is_finite()) {
         bail!("--peer-load-ms-per-block must be a non-negative number");
     }
-    if !(args.sim_request_ms >= 0.0 && args.sim_request_ms.is_finite()) {
-        bail!("--sim-request-ms must be a non-negative number");
+    if !config.zipf_s.is_finite() {
+        bail!("--zipf-s must be a finite number");
+    }
+    let non_negative = |x: f64| x >= 0.0 && x.is_finite();
+    if !(non_negative(args.sim_request_ms) && non_negative(args.sim_context_us)) {
+        bail!("--sim-request-ms and --sim-context-us must be non-negative numbers");
     }
     if config.system_tokens.1 == 0 || config.system_tokens.0 + config.user_tokens.0 == 0 {
         bail!(
@@ -232,7 +241,7 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
     if !(args.host_load_ms_per_block >= 0.0 && args.host_load_ms_per_block.is_finite()) {
         bail!("--host-load-ms-per-block must be a non-negative number");
     }
-    let trace = Trace::generate(&config);
+    let trace = Trace::try_generate(&config).map_err(anyhow::Error::msg)?;
     let results = sim::run_all(&trace, &policies);
     // The same requests (the trace does not depend on the tiers), with a host tier.
     let tiered = (args.host_blocks > 0).then(|| {

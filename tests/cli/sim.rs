@@ -108,6 +108,60 @@ fn short_requests_waste_more_of_their_last_block() {
 }
 
 #[test]
+fn routing_sim_bad_input_is_a_one_line_error() {
+    let sim = ["bench", "--routing-sim", "--timing-iterations", "0"];
+    let cases: [&[&str]; 5] = [
+        // Pools too small for two of the longest requests.
+        &["--tenants", "1", "--sim-requests", "100"],
+        &["--capacity-blocks", "1"],
+        &["--sim-context-us=-1"],
+        &["--sim-request-ms", "inf"],
+        &["--zipf-s", "nan"],
+    ];
+    for args in cases {
+        let out = kvgate(&[&sim[..], args].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.starts_with("error: "), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn routing_sim_counts_the_context_each_token_attends_to() {
+    let engine_ms = |context_us: &str| {
+        let out = kvgate(&[
+            "bench",
+            "--routing-sim",
+            "--timing-iterations",
+            "0",
+            "--sim-requests",
+            "400",
+            "--policies",
+            "prefix",
+            "--sim-step-ms",
+            "1:18,16:24,160:200",
+            "--sim-context-us",
+            context_us,
+            "--json",
+            "-",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        f(&r["results"][0], "work_ms_per_request")
+    };
+    let (plain, with) = (engine_ms("0"), engine_ms("5"));
+    // The default trace: prompts of 200-2,200 tokens, mostly cached, and answers of 50-300,
+    // each of whose tokens attends to a thousand tokens or more: about a second a request at
+    // 5 us, against 3-4 s of steps.
+    assert!(with > plain * 1.2, "{plain} ms, then {with} ms a request");
+}
+
+#[test]
 fn bad_input_is_a_one_line_error() {
     let cases: [&[&str]; 6] = [
         &["sim", "--workload", "nonsense"],
