@@ -1976,13 +1976,19 @@ mod tests {
         );
     }
 
-    #[test]
-    fn each_request_adds_its_own_time_to_the_step_that_admits_it() {
-        // One client: a request at a time, the same steps whatever their length.
+    /// One client (a request at a time: the same steps whatever their length) on a roomy
+    /// fleet, round robin: its configuration, policy, and run without any time added.
+    fn one_client() -> (SimConfig, SimPolicy, PolicyResult) {
         let mut cfg = small(Some(1 << 20));
         cfg.clients = Some(1);
         let policy = SimPolicy::Router(Policy::RoundRobin);
         let plain = run(&Trace::generate(&cfg), policy, true);
+        (cfg, policy, plain)
+    }
+
+    #[test]
+    fn each_request_adds_its_own_time_to_the_step_that_admits_it() {
+        let (mut cfg, policy, plain) = one_client();
         cfg.request_secs = 0.025;
         let loaded = run(&Trace::generate(&cfg), policy, true);
         let added = loaded.work_ms_per_request - plain.work_ms_per_request;
@@ -1992,12 +1998,9 @@ mod tests {
 
     #[test]
     fn each_token_adds_the_time_of_the_context_it_attends_to() {
-        // One client, every prompt in one step: a request's prefill attends over its cached
-        // prompt tokens, then each decode step's token over the prompt and what it generated.
-        let mut cfg = small(Some(1 << 20));
-        cfg.clients = Some(1);
-        let policy = SimPolicy::Router(Policy::RoundRobin);
-        let plain = run(&Trace::generate(&cfg), policy, true);
+        // Every prompt in one step: a request's prefill attends over its cached prompt tokens,
+        // then each decode step's token over the prompt and what it generated.
+        let (mut cfg, policy, plain) = one_client();
         cfg.context_secs = 1e-6;
         let trace = Trace::generate(&cfg);
         let mut sim = Simulation::new(&trace, policy, true);
