@@ -120,8 +120,8 @@ pub struct SimConfig {
     /// Seconds a step's token takes for each token of context it attends to beyond its own
     /// chunk, beside `step_curve`'s (measured on new prompts, whose attention is within their
     /// chunk): a prefill chunk's tokens over the prompt tokens already in the cache (found
-    /// cached, or computed by earlier chunks), a decoding sequence's token over its prompt and
-    /// the tokens it has generated.
+    /// cached, or computed by earlier chunks), a decoding sequence's token over the tokens
+    /// already in the cache (its prompt, and the answer before the token it feeds).
     pub context_secs: f64,
     pub load_factor: f64,
     /// Host-tier blocks per engine (0: no host tier).
@@ -1348,7 +1348,7 @@ impl<'a> Simulation<'a> {
             .running
             .iter()
             .map(|s| match prompt(s) {
-                p if s.prefilled == p => p + s.generated as usize,
+                p if s.prefilled == p => p + s.generated as usize - 1,
                 _ => s.chunk * s.prefilled,
             })
             .sum();
@@ -1998,21 +1998,33 @@ mod tests {
 
     #[test]
     fn each_token_adds_the_time_of_the_context_it_attends_to() {
-        // Every prompt in one step: a request's prefill attends over its cached prompt tokens,
-        // then each decode step's token over the prompt and what it generated.
-        let (mut cfg, policy, plain) = one_client();
+        // Prompts in chunks of at most 64 tokens (one client: nothing else in a step): each
+        // chunk attends over the prompt tokens before it (cached, or earlier chunks'), then each
+        // decode step's token over the prompt and the answer before it.
+        let (mut cfg, policy, _) = one_client();
+        cfg.max_batched_tokens = 64;
+        let plain = run(&Trace::generate(&cfg), policy, true);
         cfg.context_secs = 1e-6;
         let trace = Trace::generate(&cfg);
         let mut sim = Simulation::new(&trace, policy, true);
         sim.run();
         let b = sim.block_size();
+        let mut chunked = 0;
         let expected: usize = (trace.requests.iter().enumerate())
             .map(|(i, r)| {
                 let (p, out) = (r.prompt_tokens as usize, r.output_tokens as usize);
-                let prefilled = (sim.cached_blocks[i] * b).min(p - 1);
-                (p - prefilled) * prefilled + (1..out).map(|g| p + g).sum::<usize>()
+                let mut before = (sim.cached_blocks[i] * b).min(p - 1);
+                let mut pairs = 0;
+                chunked += usize::from(p - before > 64);
+                while before < p {
+                    let chunk = (p - before).min(64);
+                    pairs += chunk * before;
+                    before += chunk;
+                }
+                pairs + (1..out).map(|g| p + g - 1).sum::<usize>()
             })
             .sum();
+        assert!(chunked > 0, "some prompts in several chunks");
         assert!(
             sim.cached_blocks.iter().any(|&c| c > 0),
             "some prompts cached"
