@@ -1977,18 +1977,17 @@ mod tests {
     }
 
     /// One client (a request at a time: the same steps whatever their length) on a roomy
-    /// fleet, round robin: its configuration, policy, and run without any time added.
-    fn one_client() -> (SimConfig, SimPolicy, PolicyResult) {
+    /// fleet, round robin: its configuration and policy.
+    fn one_client() -> (SimConfig, SimPolicy) {
         let mut cfg = small(Some(1 << 20));
         cfg.clients = Some(1);
-        let policy = SimPolicy::Router(Policy::RoundRobin);
-        let plain = run(&Trace::generate(&cfg), policy, true);
-        (cfg, policy, plain)
+        (cfg, SimPolicy::Router(Policy::RoundRobin))
     }
 
     #[test]
     fn each_request_adds_its_own_time_to_the_step_that_admits_it() {
-        let (mut cfg, policy, plain) = one_client();
+        let (mut cfg, policy) = one_client();
+        let plain = run(&Trace::generate(&cfg), policy, true);
         cfg.request_secs = 0.025;
         let loaded = run(&Trace::generate(&cfg), policy, true);
         let added = loaded.work_ms_per_request - plain.work_ms_per_request;
@@ -2001,7 +2000,7 @@ mod tests {
         // Prompts in chunks of at most 64 tokens (one client: nothing else in a step): each
         // chunk attends over the prompt tokens before it (cached, or earlier chunks'), then each
         // decode step's token over the prompt and the answer before it.
-        let (mut cfg, policy, _) = one_client();
+        let (mut cfg, policy) = one_client();
         cfg.max_batched_tokens = 64;
         let plain = run(&Trace::generate(&cfg), policy, true);
         cfg.context_secs = 1e-6;

@@ -211,15 +211,18 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
     if config.clients == Some(0) || config.cores == Some(0) || config.max_seqs == 0 {
         bail!("--sim-clients, --sim-cores and --sim-max-seqs must be positive");
     }
-    if !(args.peer_load_ms_per_block >= 0.0 && args.peer_load_ms_per_block.is_finite()) {
-        bail!("--peer-load-ms-per-block must be a non-negative number");
+    for (flag, value) in [
+        ("--peer-load-ms-per-block", args.peer_load_ms_per_block),
+        ("--host-load-ms-per-block", args.host_load_ms_per_block),
+        ("--sim-request-ms", args.sim_request_ms),
+        ("--sim-context-us", args.sim_context_us),
+    ] {
+        if !(value >= 0.0 && value.is_finite()) {
+            bail!("{flag} must be a non-negative number");
+        }
     }
     if !config.zipf_s.is_finite() {
         bail!("--zipf-s must be a finite number");
-    }
-    let non_negative = |x: f64| x >= 0.0 && x.is_finite();
-    if !(non_negative(args.sim_request_ms) && non_negative(args.sim_context_us)) {
-        bail!("--sim-request-ms and --sim-context-us must be non-negative numbers");
     }
     if config.system_tokens.1 == 0 || config.system_tokens.0 + config.user_tokens.0 == 0 {
         bail!(
@@ -238,9 +241,6 @@ pub fn run(args: &SimArgs, seed: u64, json: Option<&str>) -> Result<()> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    if !(args.host_load_ms_per_block >= 0.0 && args.host_load_ms_per_block.is_finite()) {
-        bail!("--host-load-ms-per-block must be a non-negative number");
-    }
     let trace = Trace::try_generate(&config).map_err(anyhow::Error::msg)?;
     let results = sim::run_all(&trace, &policies);
     // The same requests (the trace does not depend on the tiers), with a host tier.
